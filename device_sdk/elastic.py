@@ -1,0 +1,85 @@
+"""ElasticLinear: a linear layer whose active width is a prefix of unit-major storage.
+
+Two forms share one class:
+
+* row units (q/k/v/gate/up): storage is `[out, in]`, a unit owns `unit_size` output rows;
+  width n computes `x @ W[:n·u].T`.
+* column units (o/down): storage is the transposed `[in, out]`, a unit owns `unit_size`
+  input rows; width n computes `x @ Wt[:n·u]` (x already holds only the active inputs).
+
+Either way the active weight is a contiguous leading slice, so `set_width` moves a view
+and copies nothing; width 0 yields zeros of the right shape.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+UnitAxis = Literal["out", "in"]
+
+
+class ElasticLinear(nn.Module):
+    def __init__(
+        self,
+        storage: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        unit_axis: UnitAxis,
+        unit_size: int,
+    ) -> None:
+        super().__init__()
+        if unit_axis not in ("out", "in"):
+            raise ValueError(f"unit_axis must be 'out' or 'in', not {unit_axis!r}")
+        if storage.dim() != 2 or storage.shape[0] % unit_size:
+            raise ValueError(f"storage {tuple(storage.shape)} is not a whole number of {unit_size}-row units")
+        if bias is not None and unit_axis == "out" and bias.shape[0] != storage.shape[0]:
+            raise ValueError("a row-unit bias must have one entry per stored row")
+        self.unit_axis: UnitAxis = unit_axis
+        self.unit_size = unit_size
+        self.max_units = storage.shape[0] // unit_size
+        self.storage = nn.Parameter(storage, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.set_width(self.max_units)
+
+    @property
+    def in_features(self) -> int:
+        return self.storage.shape[1] if self.unit_axis == "out" else self.active_rows
+
+    @property
+    def out_features(self) -> int:
+        return self.active_rows if self.unit_axis == "out" else self.storage.shape[1]
+
+    @property
+    def active_rows(self) -> int:
+        return self.units * self.unit_size
+
+    def set_width(self, units: int) -> None:
+        if not 0 <= units <= self.max_units:
+            raise ValueError(f"width {units} is outside 0..{self.max_units} units")
+        self.units = units
+        # Leading slices of contiguous storage: views, never copies.
+        self.active_weight = self.storage[: self.active_rows]
+        if self.bias is None:
+            self.active_bias = None
+        elif self.unit_axis == "out":
+            self.active_bias = self.bias[: self.active_rows]
+        else:
+            self.active_bias = self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.unit_axis == "out":
+            return F.linear(x, self.active_weight, self.active_bias)
+        if x.shape[-1] != self.active_rows:
+            raise ValueError(f"input has {x.shape[-1]} features, the active width needs {self.active_rows}")
+        y = torch.matmul(x, self.active_weight)
+        return y if self.active_bias is None else y + self.active_bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"unit_axis={self.unit_axis}, unit_size={self.unit_size}, units={self.units}/{self.max_units}, "
+            f"in={self.in_features}, out={self.out_features}"
+        )

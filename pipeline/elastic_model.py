@@ -1,0 +1,138 @@
+"""Turn an HF Llama-family model into an elastic one over unit-major storage.
+
+Every projection becomes a `device_sdk.ElasticLinear` that shares the package's tensors;
+`set_widths` / `set_level` only move views. Width 0 skips a sub-layer: the attention or
+MLP adds nothing to the residual stream. The pipeline evaluates sub-models with this.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from device_sdk.elastic import ElasticLinear
+from device_sdk.package import WEIGHTS, Architecture, Elastic, Manifest, read_manifest
+
+ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+class ElasticAttention(nn.Module):
+    """Wraps an HF attention module; with zero KV groups it contributes nothing."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.units = inner.q_proj.max_units
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.units == 0:
+            return torch.zeros_like(hidden_states), None
+        return self.inner(hidden_states, *args, **kwargs)
+
+
+class ElasticCausalLM(nn.Module):
+    """An HF causal LM whose layers can each run at any prefix width."""
+
+    def __init__(self, model: nn.Module, arch: Architecture, elastic: Elastic, tensors: Mapping[str, torch.Tensor]):
+        super().__init__()
+        self.hf = model
+        self.arch = arch
+        self.elastic = elastic
+        q_rows = arch.n_rep * arch.head_dim
+        unit_rows = {"q_proj": q_rows, "k_proj": arch.head_dim, "v_proj": arch.head_dim, "o_proj": q_rows}
+        for index, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            for proj in ATTN_PROJ:
+                setattr(attn, proj, _elastic(tensors, f"model.layers.{index}.self_attn.{proj}", unit_rows[proj]))
+            layer.self_attn = ElasticAttention(attn)
+            for proj in MLP_PROJ:
+                setattr(layer.mlp, proj, _elastic(tensors, f"model.layers.{index}.mlp.{proj}", 1))
+        self.level: str | None = None
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_package(cls, package_dir: Path, manifest: Manifest | None = None) -> ElasticCausalLM:
+        """Build an HF skeleton on the meta device and fill it with the package's tensors."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        package_dir = Path(package_dir)
+        manifest = manifest or read_manifest(package_dir)
+        config = AutoConfig.from_pretrained(str(package_dir / "model"))
+        tensors = load_file(str(package_dir / WEIGHTS))
+        dtype = next(iter(tensors.values())).dtype
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        plain = {k: v for k, v in tensors.items() if k not in manifest.elastic.tensors and "_proj." not in k}
+        model.load_state_dict(plain, strict=False, assign=True)
+        if manifest.architecture.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        # Rotary frequencies are buffers computed at init, so rebuild them off the meta device.
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+        model.eval()
+        elastic = cls(model, manifest.architecture, manifest.elastic, tensors)
+        _check_materialised(elastic)
+        return elastic
+
+    # -- switching ---------------------------------------------------------------------
+
+    def set_widths(self, attn_units: list[int], mlp_units: list[int]) -> None:
+        """Per-layer widths in units; O(layers), no weight data is copied."""
+        if len(attn_units) != self.arch.layers or len(mlp_units) != self.arch.layers:
+            raise ValueError(f"need one width per layer ({self.arch.layers})")
+        for layer, groups, neurons in zip(self.hf.model.layers, attn_units, mlp_units, strict=True):
+            shim = layer.self_attn
+            for proj in ATTN_PROJ:
+                getattr(shim.inner, proj).set_width(groups)
+            shim.units = groups
+            for proj in MLP_PROJ:
+                getattr(layer.mlp, proj).set_width(neurons)
+        self.level = None
+
+    def set_level(self, level: str | float) -> None:
+        chosen = self.elastic.level(level)
+        self.set_widths(chosen.attn_units, chosen.mlp_units)
+        self.level = chosen.name
+
+    def elastic_linears(self) -> list[ElasticLinear]:
+        return [m for m in self.hf.modules() if isinstance(m, ElasticLinear)]
+
+    # -- running -----------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, **kwargs):
+        return self.hf(input_ids=input_ids, **kwargs)
+
+    # The base model and LM head, so LM-loss helpers treat this like any HF causal LM.
+    @property
+    def model(self) -> nn.Module:
+        return self.hf.model
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.hf.lm_head
+
+    @property
+    def config(self):
+        return self.hf.config
+
+
+def _elastic(tensors: Mapping[str, torch.Tensor], base: str, rows_per_unit: int) -> ElasticLinear:
+    if f"{base}.weight_t" in tensors:
+        return ElasticLinear(tensors[f"{base}.weight_t"], tensors.get(f"{base}.bias"), unit_axis="in", unit_size=rows_per_unit)
+    return ElasticLinear(tensors[f"{base}.weight"], tensors.get(f"{base}.bias"), unit_axis="out", unit_size=rows_per_unit)
+
+
+def _check_materialised(model: nn.Module) -> None:
+    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise ValueError(f"package is missing tensors for: {meta[:5]}{' …' if len(meta) > 5 else ''}")
+
+
+def read_config(package_dir: Path) -> dict:
+    return json.loads((Path(package_dir) / "model" / "config.json").read_text())

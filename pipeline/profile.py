@@ -1,0 +1,230 @@
+"""Stage `profile`: how much each unit and each layer matters to the LM loss.
+
+Unit importance is first-order Taylor over a unit's weights: `Σ|w·∂L/∂w|` (param_first) or
+`|Σ w·∂L/∂w|` (vectorize), L the mean LM loss over all calibration windows in one backward.
+Each weight's gradient is folded into unit scores by a hook the moment it is accumulated and
+then freed, and decoder layers are checkpointed, so memory stays close to inference.
+
+Layer importance is the loss increase when a layer is skipped (leave-one-out), or ShortGPT's
+block influence `1 − cos(h_in, h_out)` as the cheap option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from device_sdk.package import Architecture, atomic_write_bytes
+from pipeline.calibration import make_windows
+from pipeline.lm import mean_nll, nll_sum
+from pipeline.stage import StageContext
+
+TAYLOR_MODES = ("param_first", "vectorize")
+LAYER_METHODS = ("loo", "block_influence")
+IMPORTANCE_FILE = "importance.safetensors"
+
+
+@dataclass
+class ProfileSettings:
+    calibration: list[str] = field(default_factory=lambda: ["ptb:train"])
+    windows: int = 16
+    window_length: int = 128
+    seed: int = 0
+    taylor: str = "param_first"
+    layer_method: str = "loo"
+    batch_size: int = 4
+
+    def validate(self) -> None:
+        if self.taylor not in TAYLOR_MODES:
+            raise ValueError(f"taylor must be one of {TAYLOR_MODES}, not {self.taylor!r}")
+        if self.layer_method not in LAYER_METHODS:
+            raise ValueError(f"layer_method must be one of {LAYER_METHODS}, not {self.layer_method!r}")
+        if self.windows < 1 or self.window_length < 2:
+            raise ValueError("calibration needs windows >= 1 and window_length >= 2")
+
+
+@dataclass
+class Importance:
+    attn: list[torch.Tensor]  # per layer: one score per KV group
+    mlp: list[torch.Tensor]  # per layer: one score per neuron
+    layers: torch.Tensor  # one score per layer; larger = more important
+    meta: dict
+
+    def save(self, path: Path) -> None:
+        tensors = {f"attn.{i}": t.contiguous() for i, t in enumerate(self.attn)}
+        tensors |= {f"mlp.{i}": t.contiguous() for i, t in enumerate(self.mlp)}
+        tensors["layers"] = self.layers.contiguous()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file(tensors, str(tmp), metadata={"meta": json.dumps(self.meta)})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> Importance:
+        from safetensors import safe_open
+
+        tensors = load_file(str(path))
+        with safe_open(str(path), "pt") as handle:
+            meta = json.loads(handle.metadata()["meta"])
+        layers = tensors["layers"]
+        return cls(
+            attn=[tensors[f"attn.{i}"] for i in range(len(layers))],
+            mlp=[tensors[f"mlp.{i}"] for i in range(len(layers))],
+            layers=layers,
+            meta=meta,
+        )
+
+
+# --------------------------------------------------------------------------- unit importance
+
+
+def _unit_reducers(layer, arch: Architecture) -> dict[torch.nn.Parameter, tuple[str, callable]]:
+    """Map each parameter of a layer to (unit kind, fn from w·g to one value per unit)."""
+    n_kv, q_rows = arch.kv_heads, arch.n_rep * arch.head_dim
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def rows(group_rows):
+        return lambda s: s.reshape(s.shape[0], -1).sum(1).reshape(n_kv, group_rows).sum(1)
+
+    reducers = {
+        attn.q_proj.weight: ("attn", rows(q_rows)),
+        attn.k_proj.weight: ("attn", rows(arch.head_dim)),
+        attn.v_proj.weight: ("attn", rows(arch.head_dim)),
+        attn.o_proj.weight: ("attn", lambda s: s.sum(0).reshape(n_kv, q_rows).sum(1)),
+        mlp.gate_proj.weight: ("mlp", lambda s: s.sum(1)),
+        mlp.up_proj.weight: ("mlp", lambda s: s.sum(1)),
+        mlp.down_proj.weight: ("mlp", lambda s: s.sum(0)),
+    }
+    for proj, group_rows in ((attn.q_proj, q_rows), (attn.k_proj, arch.head_dim), (attn.v_proj, arch.head_dim)):
+        if proj.bias is not None:
+            reducers[proj.bias] = ("attn", lambda s, g=group_rows: s.reshape(n_kv, g).sum(1))
+    return reducers
+
+
+def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: str = "param_first"):
+    """Per-layer Taylor scores for KV groups and neurons from one backward over all windows."""
+    layers = list(model.model.layers)
+    attn_scores = [torch.zeros(arch.kv_heads, dtype=torch.float64) for _ in layers]
+    mlp_scores = [torch.zeros(arch.intermediate, dtype=torch.float64) for _ in layers]
+    handles, tracked = [], []
+    requires = {p: p.requires_grad for p in model.parameters()}
+    for p in model.parameters():
+        p.requires_grad_(False)
+
+    for index, layer in enumerate(layers):
+        for param, (kind, reduce) in _unit_reducers(layer, arch).items():
+            target = attn_scores[index] if kind == "attn" else mlp_scores[index]
+
+            def fold(p, target=target, reduce=reduce):
+                salience = p.detach() * p.grad
+                salience = salience.abs() if taylor == "param_first" else salience
+                target += reduce(salience).double()
+                p.grad = None  # free at once: at most one weight's gradient is alive
+
+            param.requires_grad_(True)
+            tracked.append(param)
+            handles.append(param.register_post_accumulate_grad_hook(fold))
+
+    was_training = model.training
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # HF checkpoints only in train mode; Llama-family dropout is 0
+    try:
+        loss, count = nll_sum(model, windows)
+        (loss / count).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.activation_checkpointing_disable()
+        model.train(was_training)
+        for p, flag in requires.items():
+            p.requires_grad_(flag)
+            p.grad = None
+    if taylor == "vectorize":
+        attn_scores = [s.abs() for s in attn_scores]
+        mlp_scores = [s.abs() for s in mlp_scores]
+    return [s.float() for s in attn_scores], [s.float() for s in mlp_scores], loss.item() / count
+
+
+# --------------------------------------------------------------------------- layer importance
+
+
+@contextlib.contextmanager
+def skipped_layer(layer):
+    """Make a decoder layer the identity for the duration of the block."""
+    layer.forward = lambda hidden_states, *args, **kwargs: hidden_states
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: StageContext) -> torch.Tensor:
+    base = mean_nll(model, windows, batch_size)
+    scores = []
+    for layer in ctx.track(list(model.model.layers), "layer importance (leave one out)"):
+        with skipped_layer(layer):
+            scores.append(mean_nll(model, windows, batch_size) - base)
+    return torch.tensor(scores)
+
+
+@torch.no_grad()
+def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    layers = list(model.model.layers)
+    totals = torch.zeros(len(layers), dtype=torch.float64)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for index, layer in enumerate(layers):
+
+        def hook(module, args, kwargs, output, index=index):
+            h_in = args[0] if args else kwargs["hidden_states"]
+            h_out = output[0] if isinstance(output, tuple) else output
+            captured[index] = (1 - F.cosine_similarity(h_in.float(), h_out.float(), dim=-1)).sum()
+
+        handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+    tokens = 0
+    try:
+        for start in range(0, windows.shape[0], batch_size):
+            batch = windows[start : start + batch_size]
+            model.model(input_ids=batch, use_cache=False)
+            tokens += batch.numel()
+            for index, value in captured.items():
+                totals[index] += value.double()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (totals / tokens).float()
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx: StageContext) -> Importance:
+    settings.validate()
+    windows = make_windows(tokenizer, settings.calibration, settings.windows, settings.window_length, settings.seed)
+    ctx.report("unit importance (taylor)", 0, 1)
+    attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
+    ctx.report("unit importance (taylor)", 1, 1)
+    if settings.layer_method == "loo":
+        layers = layer_importance_loo(model, windows, settings.batch_size, ctx)
+    else:
+        layers = layer_importance_block_influence(model, windows, settings.batch_size)
+    meta = {"settings": asdict(settings), "calibration_loss": loss, "layer_scores": layers.tolist()}
+    return Importance(attn=attn, mlp=mlp, layers=layers, meta=meta)
+
+
+def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}."""
+    from pipeline.models import load_model
+
+    loaded = load_model(inputs["model"])
+    result = profile(loaded.model, loaded.tokenizer, loaded.architecture, ProfileSettings(**settings), ctx)
+    out = ctx.work_dir / IMPORTANCE_FILE
+    result.save(out)
+    atomic_write_bytes(ctx.work_dir / "importance.json", json.dumps(result.meta, indent=2).encode())
+    return {"importance": out}

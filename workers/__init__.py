@@ -1,0 +1,1 @@
+"""Ray tasks that wrap pipeline stages: fetch inputs, run the stage, store outputs, report usage."""
