@@ -1,10 +1,15 @@
-"""The `elastify` command line."""
+"""The `elastify` command line: one Typer app, with each command group in api/commands/."""
 
 from __future__ import annotations
 
 import typer
 
+from api.commands import local
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Elastify: build elastic LLM packages.")
+app.add_typer(local.assets_app, name="assets")
+app.command("elastify")(local.elastify_command)
+app.command("demo")(local.demo)
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""One module per group of `elastify` commands; api/cli.py mounts them."""

@@ -1,0 +1,46 @@
+"""Rich progress bars for stage progress, plus log lines through the same StageContext."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False, rich_tracebacks=False)],
+        force=True,
+    )
+    for noisy in ("httpx", "urllib3", "transformers", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def progress_bars() -> Iterator:
+    """Yield an `on_progress(task, done, total)` callback drawing one bar per task."""
+    bars = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    tasks: dict[str, int] = {}
+
+    def on_progress(task: str, done: int, total: int) -> None:
+        if task not in tasks:
+            tasks[task] = bars.add_task(task, total=total)
+        bars.update(tasks[task], completed=done, total=total)
+
+    with bars:
+        yield on_progress
