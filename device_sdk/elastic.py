@@ -9,6 +9,10 @@ Two forms share one class:
 
 Either way the active weight is a contiguous leading slice, so `set_width` moves a view
 and copies nothing; width 0 yields zeros of the right shape.
+
+By default `forward` runs torch on fp32 storage. `use_kernel` routes it through a kernel
+from `device_sdk.kernels` instead (native C++/OpenMP, or its torch reference), which also
+accepts fp16 storage and int8 storage with per-output-channel `scales`.
 """
 
 from __future__ import annotations
@@ -43,7 +47,16 @@ class ElasticLinear(nn.Module):
         self.max_units = storage.shape[0] // unit_size
         self.storage = nn.Parameter(storage, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.scales: torch.Tensor | None = None  # int8 storage: one fp32 scale per output channel
+        self.kernel = None  # callable(x, layer) -> y, set by use_kernel
         self.set_width(self.max_units)
+
+    def use_kernel(self, kernel, scales: torch.Tensor | None = None) -> None:
+        """Run `forward` through `kernel(x, self)`; `scales` dequantize int8 storage."""
+        if self.storage.dtype == torch.int8 and scales is None:
+            raise ValueError("int8 storage needs per-output-channel scales")
+        self.kernel = kernel
+        self.scales = scales
 
     @property
     def in_features(self) -> int:
@@ -71,6 +84,8 @@ class ElasticLinear(nn.Module):
             self.active_bias = self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self)
         if self.unit_axis == "out":
             return F.linear(x, self.active_weight, self.active_bias)
         if x.shape[-1] != self.active_rows:

@@ -290,7 +290,30 @@ def byte_ranges_for(path: Path, elastic: Elastic, element_size: int) -> dict[str
             row_bytes = element_size * _row_elements(info["shape"])
             per_level[level.name] = [begin, begin + units * spec.rows_per_unit * row_bytes]
         tensors[name] = per_level
-    return {"file": WEIGHTS, "header": [0, data_start], "tensors": tensors}
+    ranges = {"file": WEIGHTS, "header": [0, data_start], "tensors": tensors}
+    ranges["sha256"] = range_digests(path, ranges)
+    return ranges
+
+
+def range_digests(path: Path, ranges: Mapping[str, Any]) -> dict[str, Any]:
+    """sha256 of the header and of every tensor's per-level prefix, so a partial pull is verifiable.
+
+    Prefixes of one tensor nest, so each tensor is read once and the hash is snapshotted at
+    every level's end.
+    """
+    digests: dict[str, Any] = {"header": None, "tensors": {}}
+    with open(path, "rb") as handle:
+        digests["header"] = hashlib.sha256(handle.read(ranges["header"][1])).hexdigest()
+        for name, per_level in ranges["tensors"].items():
+            begin = min(start for start, _ in per_level.values())
+            handle.seek(begin)
+            hasher, position, per_name = hashlib.sha256(), begin, {}
+            for level, (_, end) in sorted(per_level.items(), key=lambda item: item[1][1]):
+                hasher.update(handle.read(end - position))
+                position = end
+                per_name[level] = hasher.copy().hexdigest()
+            digests["tensors"][name] = per_name
+    return digests
 
 
 def _row_elements(shape: list[int]) -> int:

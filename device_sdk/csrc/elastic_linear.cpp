@@ -1,0 +1,214 @@
+// Native ElasticLinear: y = x · W over the active prefix of unit-major storage, no copies.
+//
+// Row units (q/k/v/gate/up): storage W [rows, in]; the first `active` rows are the active
+//   outputs, y[m, n] = Σ_k x[m, k] · W[n, k].
+// Column units (o/down): storage Wt [rows, out] (transposed); the first `active` rows are
+//   the active inputs, y[m, n] = Σ_k x[m, k] · Wt[k, n].
+//
+// Storage is fp32, fp16 or int8 with one fp32 scale per output channel (per row of W, per
+// column of Wt), so a prefix of any width dequantizes with the same scales. Threads split
+// the output channels (OpenMP); M == 1 (decode) runs a GEMV, M > 1 (prefill) a GEMM that
+// dequantizes each weight tile once and reuses it for every input row.
+
+#include <torch/extension.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// --- dequantize a run of weights into fp32 (the scale is applied to the result, later)
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+
+inline void to_float(const int8_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+inline void to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+int threads_for(int64_t work_items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work_items)));
+}
+
+// --- row units: each output is a dot product with one contiguous row of W
+
+constexpr int64_t ROW_TILE = 8;  // weight rows dequantized together and reused across x rows
+
+template <typename T>
+void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
+#pragma omp parallel num_threads(threads_for(tiles))
+  {
+    std::vector<float> buffer(std::is_same<T, float>::value ? 0 : ROW_TILE * K);
+#pragma omp for schedule(static)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t n0 = tile * ROW_TILE, rows = std::min(ROW_TILE, N - n0);
+      const float* wt;
+      if constexpr (std::is_same<T, float>::value) {
+        wt = w + n0 * K;
+      } else {
+        to_float(w + n0 * K, buffer.data(), rows * K);
+        wt = buffer.data();
+      }
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) {  // 2 x-rows × 4 w-rows of accumulators fit the registers
+        const float* x0 = x + m * K;
+        const float* x1 = x0 + K;
+        int64_t j = 0;
+        for (; j + 4 <= rows; j += 4) {
+          const float *w0 = wt + j * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+          float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
+#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13)
+          for (int64_t k = 0; k < K; ++k) {
+            a00 += x0[k] * w0[k]; a01 += x0[k] * w1[k]; a02 += x0[k] * w2[k]; a03 += x0[k] * w3[k];
+            a10 += x1[k] * w0[k]; a11 += x1[k] * w1[k]; a12 += x1[k] * w2[k]; a13 += x1[k] * w3[k];
+          }
+          float* y0 = y + m * N + n0 + j;
+          float* y1 = y0 + N;
+          y0[0] = a00; y0[1] = a01; y0[2] = a02; y0[3] = a03;
+          y1[0] = a10; y1[1] = a11; y1[2] = a12; y1[3] = a13;
+        }
+        for (; j < rows; ++j) {
+          const float* wj = wt + j * K;
+          float a0 = 0, a1 = 0;
+#pragma omp simd reduction(+ : a0, a1)
+          for (int64_t k = 0; k < K; ++k) { a0 += x0[k] * wj[k]; a1 += x1[k] * wj[k]; }
+          y[m * N + n0 + j] = a0;
+          y[(m + 1) * N + n0 + j] = a1;
+        }
+      }
+      for (; m < M; ++m) {  // the GEMV of decode lands here
+        const float* xm = x + m * K;
+        for (int64_t j = 0; j < rows; ++j) {
+          const float* wj = wt + j * K;
+          float acc = 0;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < K; ++k) acc += xm[k] * wj[k];
+          y[m * N + n0 + j] = acc;
+        }
+      }
+      if (scale != nullptr)
+        for (int64_t mm = 0; mm < M; ++mm)
+          for (int64_t j = 0; j < rows; ++j) y[mm * N + n0 + j] *= scale[n0 + j];
+    }
+  }
+}
+
+// --- column units: each input row k of Wt adds x[m, k] · Wt[k, :] to a block of outputs
+
+template <int64_t MR, int64_t NB, typename T>
+void columns_block(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+  const int64_t width = std::min(NB, N - n0);
+  float wk[NB];
+  for (int64_t m = 0; m < M; m += MR) {
+    const int64_t rows = std::min(MR, M - m);
+    float acc[MR][NB] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const float* wrow;
+      if constexpr (std::is_same<T, float>::value) {
+        if (width == NB) {
+          wrow = w + k * N + n0;
+        } else {
+          std::fill(wk, wk + NB, 0.0f);
+          to_float(w + k * N + n0, wk, width);
+          wrow = wk;
+        }
+      } else {
+        if (width < NB) std::fill(wk, wk + NB, 0.0f);
+        to_float(w + k * N + n0, wk, width);
+        wrow = wk;
+      }
+      for (int64_t r = 0; r < MR; ++r) {
+        const float xv = r < rows ? x[(m + r) * K + k] : 0.0f;
+#pragma omp simd
+        for (int64_t j = 0; j < NB; ++j) acc[r][j] += xv * wrow[j];
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) std::copy(acc[r], acc[r] + width, y + (m + r) * N + n0);
+  }
+}
+
+template <typename T>
+void columns_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+  // Decode reads each weight once: one x row and wide blocks. Prefill reuses a weight row
+  // for four x rows while it is in registers.
+  constexpr int64_t GEMV_BLOCK = 64, GEMM_BLOCK = 16;
+  const int64_t block = M == 1 ? GEMV_BLOCK : GEMM_BLOCK;
+  const int64_t blocks = (N + block - 1) / block;
+#pragma omp parallel for num_threads(threads_for(blocks)) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (M == 1)
+      columns_block<1, GEMV_BLOCK>(x, w, y, M, N, K, b * block);
+    else
+      columns_block<4, GEMM_BLOCK>(x, w, y, M, N, K, b * block);
+  }
+  if (scale != nullptr)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
+}
+
+template <typename T>
+void dispatch(bool row_units, const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N,
+              int64_t K) {
+  if (row_units)
+    rows_kernel<T>(x, w, scale, y, M, N, K);
+  else
+    columns_kernel<T>(x, w, scale, y, M, N, K);
+}
+
+}  // namespace
+
+// x: [M, in_active] fp32. storage: the whole unit-major tensor. active: leading rows in use.
+torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::optional<torch::Tensor> scales,
+                             int64_t active, bool row_units, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  TORCH_CHECK(storage.dim() == 2 && storage.is_contiguous() && storage.device().is_cpu(), "storage must be contiguous 2-D CPU");
+  TORCH_CHECK(0 <= active && active <= storage.size(0), "active rows out of range");
+  const int64_t M = x.size(0);
+  const int64_t K = row_units ? storage.size(1) : active;
+  const int64_t N = row_units ? active : storage.size(1);
+  TORCH_CHECK(x.size(1) == K, "input has ", x.size(1), " features, the active width needs ", K);
+  const float* scale = nullptr;
+  if (storage.scalar_type() == torch::kChar) {
+    TORCH_CHECK(scales.has_value(), "int8 storage needs scales");
+    TORCH_CHECK(scales->scalar_type() == torch::kFloat && scales->is_contiguous(), "scales must be contiguous fp32");
+    TORCH_CHECK(scales->numel() == (row_units ? storage.size(0) : storage.size(1)), "one scale per output channel");
+    scale = scales->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    if (K == 0) {
+      y.zero_();
+    } else {
+      const float* xp = x.data_ptr<float>();
+      float* yp = y.data_ptr<float>();
+      switch (storage.scalar_type()) {
+        case torch::kFloat: dispatch(row_units, xp, storage.data_ptr<float>(), scale, yp, M, N, K); break;
+        case torch::kHalf: dispatch(row_units, xp, storage.data_ptr<at::Half>(), scale, yp, M, N, K); break;
+        case torch::kChar: dispatch(row_units, xp, storage.data_ptr<int8_t>(), scale, yp, M, N, K); break;
+        default: TORCH_CHECK(false, "storage must be fp32, fp16 or int8");
+      }
+    }
+  }
+  if (bias.has_value()) y.add_(row_units ? bias->narrow(0, 0, N) : *bias);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("elastic_linear", &elastic_linear, "ElasticLinear over a unit-major prefix (fp32/fp16/int8)");
+}

@@ -1,0 +1,151 @@
+"""ElasticLinear kernels: the native C++/OpenMP one and its torch reference.
+
+The native kernel is one translation unit (csrc/elastic_linear.cpp), JIT-compiled on first
+use (~45 s) into ~/.cache/elastify/kernels and loaded from there afterwards. Where it cannot
+be built (no compiler, ELASTIFY_NATIVE=0) the torch reference runs instead, with a warning.
+
+Weight formats: "fp32", "fp16" (storage only; compute is fp32) and "int8" (weight-only,
+symmetric, one scale per output channel — per row of W, per column of the transposed Wt —
+so every prefix width shares the same scales and switching stays copy-free).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from device_sdk.elastic import ElasticLinear, UnitAxis
+
+WEIGHT_FORMATS = ("fp32", "fp16", "int8")
+SOURCE = Path(__file__).parent / "csrc" / "elastic_linear.cpp"
+
+_build_lock = threading.Lock()
+_native_module = None
+_native_tried = False
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
+
+
+def _cpu_signature() -> str:
+    """Built with -march=native, so a cached build is only valid on the same kind of CPU."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+
+
+def native_module():
+    """The compiled extension, or None (with one warning) when it cannot be built."""
+    global _native_module, _native_tried
+    with _build_lock:
+        if _native_tried:
+            return _native_module
+        _native_tried = True
+        if os.environ.get("ELASTIFY_NATIVE", "1") == "0":
+            warnings.warn("ELASTIFY_NATIVE=0: ElasticLinear runs on the torch fallback", stacklevel=2)
+            return None
+        try:
+            from torch.utils.cpp_extension import load
+
+            name = f"elastify_elastic_linear_{_cpu_signature()}"
+            build_dir = cache_home() / "kernels" / name
+            build_dir.mkdir(parents=True, exist_ok=True)
+            _native_module = load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(build_dir),
+                verbose=False,
+            )
+        except Exception as err:  # no compiler, no headers, a failed build: run on torch instead
+            warnings.warn(f"native ElasticLinear kernel unavailable ({err}); using the torch fallback", stacklevel=2)
+            _native_module = None
+        return _native_module
+
+
+# --------------------------------------------------------------------------- weight formats
+
+
+def quantize_int8(storage: torch.Tensor, unit_axis: UnitAxis) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per output channel: rows of W, columns of Wt."""
+    weight = storage.float()
+    reduce_dim = 1 if unit_axis == "out" else 0
+    scales = weight.abs().amax(dim=reduce_dim).clamp_min(1e-12) / 127.0
+    shaped = scales[:, None] if unit_axis == "out" else scales[None, :]
+    quantized = torch.round(weight / shaped).clamp_(-127, 127).to(torch.int8)
+    return quantized.contiguous(), scales.contiguous()
+
+
+def convert_storage(
+    storage: torch.Tensor, unit_axis: UnitAxis, weight_format: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Storage (and scales) in `weight_format`; fp32 storage in fp32 is returned as is (still memory-mapped)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
+    if weight_format == "int8":
+        return quantize_int8(storage, unit_axis)
+    dtype = torch.float16 if weight_format == "fp16" else torch.float32
+    return (storage if storage.dtype == dtype else storage.to(dtype).contiguous()), None
+
+
+# --------------------------------------------------------------------------- the two kernels
+
+
+def reference_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
+    """Torch over the same prefix; dequantizes the active rows per call (the slow, exact oracle)."""
+    weight = layer.active_weight.float()
+    if layer.scales is not None:
+        scales = layer.scales[: layer.active_rows] if layer.unit_axis == "out" else layer.scales
+        weight = weight * (scales[:, None] if layer.unit_axis == "out" else scales[None, :])
+    bias = None if layer.active_bias is None else layer.active_bias.float()
+    if layer.unit_axis == "out":
+        return torch.nn.functional.linear(x, weight, bias)
+    if x.shape[-1] != layer.active_rows:
+        raise ValueError(f"input has {x.shape[-1]} features, the active width needs {layer.active_rows}")
+    y = x @ weight
+    return y if bias is None else y + bias
+
+
+def native_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
+    """The C++ kernel on the whole storage plus the active row count: nothing is sliced or copied."""
+    flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if flat.dtype != torch.float32 or not flat.is_contiguous():
+        flat = flat.float().contiguous()
+    y = native_module().elastic_linear(
+        flat, layer.storage, layer.scales, layer.active_rows, layer.unit_axis == "out", layer.bias
+    )
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def make_linear(
+    storage: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    unit_axis: UnitAxis,
+    unit_size: int,
+    weight_format: str = "fp32",
+    native: bool = True,
+) -> ElasticLinear:
+    """An ElasticLinear in `weight_format`, on the native kernel when it builds (else torch)."""
+    weights, scales = convert_storage(storage, unit_axis, weight_format)
+    bias = None if bias is None else bias.float()
+    layer = ElasticLinear(weights, bias, unit_axis=unit_axis, unit_size=unit_size)
+    use_native = native and native_module() is not None
+    if use_native or weight_format != "fp32":
+        layer.use_kernel(native_linear if use_native else reference_linear, scales)
+    return layer

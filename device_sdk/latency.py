@@ -1,0 +1,186 @@
+"""This device's cost model: measured per-level latency, SLOs, and the level decision.
+
+A profile holds, per level, TTFT as a line in the prompt length (`base + per_token · n`)
+and TPOT, measured on this device for one weight format; `elastify-device profile` writes
+it beside the package. `choose_level` is the decision until the package carries a TLM: the
+largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort).
+A TLM replaces it by assigning a callable with the same signature to `ElasticModel.decide`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from device_sdk.package import Level, atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets in milliseconds, or (relative=True) fractions of the full model's latency."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    relative: bool = False
+
+    @classmethod
+    def fraction(cls, ttft: float | None = None, tpot: float | None = None) -> SLO:
+        return cls(ttft, tpot, relative=True)
+
+    def absolute(self, profile: LatencyProfile, prompt_tokens: int) -> SLO:
+        """Milliseconds for this prompt length: fractions are of the largest level's predictions."""
+        if not self.relative:
+            return self
+        full = profile.largest_level()
+        return SLO(
+            None if self.ttft_ms is None else self.ttft_ms * profile.ttft_ms(full, prompt_tokens),
+            None if self.tpot_ms is None else self.tpot_ms * profile.tpot_ms(full),
+        )
+
+    def met(self, ttft_ms: float, tpot_ms: float | None) -> bool:
+        ttft_ok = self.ttft_ms is None or ttft_ms <= self.ttft_ms
+        tpot_ok = self.tpot_ms is None or tpot_ms is None or tpot_ms <= self.tpot_ms
+        return ttft_ok and tpot_ok
+
+
+@dataclass
+class LevelLatency:
+    ttft_base_ms: float
+    ttft_per_token_ms: float
+    tpot_ms: float
+
+
+@dataclass
+class LatencyProfile:
+    weight_format: str
+    threads: int
+    levels: dict[str, LevelLatency]
+    device: str = field(default_factory=platform.processor)
+    measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    estimated: bool = False  # True: only the full level was measured, the rest scaled by active fraction
+
+    def ttft_ms(self, level: str, prompt_tokens: int) -> float:
+        entry = self.levels[level]
+        return entry.ttft_base_ms + entry.ttft_per_token_ms * prompt_tokens
+
+    def tpot_ms(self, level: str) -> float:
+        return self.levels[level].tpot_ms
+
+    def largest_level(self) -> str:
+        return max(self.levels, key=float)
+
+    def save(self, path: Path) -> None:
+        atomic_write_bytes(Path(path), json.dumps(asdict(self), indent=2).encode())
+
+    @classmethod
+    def load(cls, path: Path) -> LatencyProfile:
+        data = json.loads(Path(path).read_text())
+        data["levels"] = {name: LevelLatency(**entry) for name, entry in data["levels"].items()}
+        return cls(**data)
+
+
+def profile_path(package_dir: Path, weight_format: str) -> Path:
+    """Beside the package, not in it: the package stays exactly what was signed."""
+    package_dir = Path(package_dir)
+    return package_dir.parent / f"{package_dir.name}.latency-{weight_format}.json"
+
+
+# --------------------------------------------------------------------------- the decision
+
+
+@dataclass
+class Decision:
+    level: str
+    prompt_ratio: float = 1.0  # a TLM may also compress the prompt; the profile rule never does
+    feasible: bool = True
+
+
+def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[Level]) -> Decision:
+    """The largest level predicted to meet both targets; the smallest when none is."""
+    target = slo.absolute(profile, prompt_tokens)
+    ordered = sorted(levels, key=lambda level: level.ratio)
+    for level in reversed(ordered):
+        ttft = profile.ttft_ms(level.name, prompt_tokens)
+        tpot = profile.tpot_ms(level.name)
+        if target.met(ttft, tpot):
+            return Decision(level.name)
+    return Decision(ordered[0].name, feasible=False)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _timed_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1000
+
+
+def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> LevelLatency:
+    """Prefill at each prompt length (fit a line), then the mean of single-token decode steps."""
+    transformer = model.transformer
+    vocab = model.manifest.architecture.vocab
+    generator = torch.Generator().manual_seed(0)
+    ttfts = []
+    with torch.inference_mode():
+        for length in prompt_lengths:
+            ids = torch.randint(0, vocab, (1, length), generator=generator)
+            best = min(_timed_ms(lambda ids=ids: transformer(ids, last_only=True)) for _ in range(repeats))
+            ttfts.append(best)
+        cache = transformer.new_cache(prompt_lengths[0] + decode_tokens + 1)
+        transformer(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), cache, last_only=True)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        steps = [_timed_ms(lambda: transformer(token, cache, last_only=True)) for _ in range(decode_tokens)]
+    steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter (scheduler noise)
+    if len(prompt_lengths) > 1:
+        slope = (ttfts[-1] - ttfts[0]) / (prompt_lengths[-1] - prompt_lengths[0])
+    else:
+        slope = 0.0
+    slope = max(slope, 0.0)
+    return LevelLatency(max(ttfts[0] - slope * prompt_lengths[0], 0.0), slope, sum(steps) / len(steps))
+
+
+def measure_profile(
+    model,
+    *,
+    levels: list[str] | None = None,
+    prompt_lengths: tuple[int, ...] = (32, 128),
+    decode_tokens: int = 16,
+    repeats: int = 2,
+) -> LatencyProfile:
+    """Measure every (held) level of `model`; restores its level afterwards."""
+    previous = model.level
+    names = levels or model.available_levels()
+    measured = {}
+    try:
+        for name in names:
+            model.set_level(name)
+            measured[name] = measure_level(model, prompt_lengths, decode_tokens, repeats)
+    finally:
+        if previous is not None:
+            model.set_level(previous)
+    return LatencyProfile(model.weight_format, torch.get_num_threads(), measured)
+
+
+def estimate_profile(model) -> LatencyProfile:
+    """A quick stand-in when no profile was measured: the largest level, scaled by active fraction."""
+    full_name = model.available_levels()[-1]
+    previous = model.level
+    model.set_level(full_name)
+    try:
+        full = measure_level(model, (8, 32), decode_tokens=4, repeats=1)
+    finally:
+        if previous is not None:
+            model.set_level(previous)
+    full_fraction = model.manifest.elastic.level(full_name).active_fraction
+    levels = {}
+    for name in model.available_levels():
+        share = model.manifest.elastic.level(name).active_fraction / full_fraction
+        levels[name] = LevelLatency(full.ttft_base_ms * share, full.ttft_per_token_ms * share, full.tpot_ms * share)
+    return LatencyProfile(model.weight_format, torch.get_num_threads(), levels, estimated=True)

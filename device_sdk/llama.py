@@ -1,0 +1,225 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) in one file, over unit-major weights.
+
+No transformers import: this file is the whole model. Every projection is an ElasticLinear
+over the package's (memory-mapped) storage, so each layer runs at any prefix width:
+`g` KV groups keep the first g·n_rep query heads and g KV heads (a legal GQA shape), `n`
+neurons keep the first n SwiGLU neurons. A sub-layer of width 0 adds nothing to the residual
+stream. Computation is fp32; weights may be stored fp32, fp16 or int8 (see kernels.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from device_sdk.elastic import ElasticLinear
+from device_sdk.package import Architecture
+
+LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+# --------------------------------------------------------------------------- rotary embeddings
+
+
+def rope_inv_freq(arch: Architecture) -> torch.Tensor:
+    """Inverse frequencies, with the `linear` and `llama3` scalings that configs carry."""
+    rope = arch.rope
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    dim = arch.head_dim
+    inv_freq = 1.0 / (rope.get("rope_theta", 10000.0) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between interpolated.
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        context = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > context / low, inv_freq / factor, inv_freq)
+        smooth = (context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= context / high) & (wavelen <= context / low)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"RoPE type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+# --------------------------------------------------------------------------- KV cache
+
+
+class KVCache:
+    """Keys and values of every layer for one batch of sequences, preallocated to `max_len`."""
+
+    def __init__(self, layers: int, max_len: int):
+        self.max_len = max_len
+        self.length = 0  # tokens already cached (the same for every layer)
+        self.keys: list[torch.Tensor | None] = [None] * layers
+        self.values: list[torch.Tensor | None] = [None] * layers
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's k, v [B, groups, T, hd]; return everything cached so far."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"sequence of {end} tokens exceeds the cache ({self.max_len})")
+        if self.keys[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
+            self.keys[layer], self.values[layer] = k.new_empty(shape), v.new_empty(shape)
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Projection(nn.Module):
+    """An ElasticLinear plus, when the active level has one, its LoRA: y += x·Aᵀ·Bᵀ·scale."""
+
+    def __init__(self, linear: ElasticLinear):
+        super().__init__()
+        self.linear = linear
+        self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+    def forward(self, x):
+        y = self.linear(x)
+        if self.lora is not None:
+            a, b, scale = self.lora
+            y = y + (x @ a.T) @ b.T * scale
+        return y
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: Architecture, weights: Mapping[str, torch.Tensor], prefix: str, make: LinearFactory):
+        super().__init__()
+        self.head_dim = arch.head_dim
+        group_rows = arch.n_rep * arch.head_dim  # q rows (and o_proj inputs) of one KV group
+        self.q_proj = projection(weights, f"{prefix}.q_proj", group_rows, make)
+        self.k_proj = projection(weights, f"{prefix}.k_proj", arch.head_dim, make)
+        self.v_proj = projection(weights, f"{prefix}.v_proj", arch.head_dim, make)
+        self.o_proj = projection(weights, f"{prefix}.o_proj", group_rows, make)
+
+    @property
+    def groups(self) -> int:
+        return self.k_proj.linear.units
+
+    def forward(self, x, cos, sin, mask, cache: KVCache, layer: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups·n_rep, T, hd]
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # [B, groups, T, hd]
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v = cache.update(layer, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str, make: LinearFactory):
+        super().__init__()
+        self.gate_proj = projection(weights, f"{prefix}.gate_proj", 1, make)
+        self.up_proj = projection(weights, f"{prefix}.up_proj", 1, make)
+        self.down_proj = projection(weights, f"{prefix}.down_proj", 1, make)
+
+    @property
+    def neurons(self) -> int:
+        return self.up_proj.linear.units
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, arch: Architecture, weights: Mapping[str, torch.Tensor], index: int, make: LinearFactory):
+        super().__init__()
+        prefix = f"model.layers.{index}"
+        self.index = index
+        self.input_layernorm = RMSNorm(weights[f"{prefix}.input_layernorm.weight"], arch.norm_eps)
+        self.self_attn = Attention(arch, weights, f"{prefix}.self_attn", make)
+        self.post_attention_layernorm = RMSNorm(weights[f"{prefix}.post_attention_layernorm.weight"], arch.norm_eps)
+        self.mlp = MLP(weights, f"{prefix}.mlp", make)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache):
+        if self.self_attn.groups:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index)
+        if self.mlp.neurons:
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class Transformer(nn.Module):
+    def __init__(self, arch: Architecture, weights: Mapping[str, torch.Tensor], make: LinearFactory):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = weights["model.embed_tokens.weight"]  # rows are read, never multiplied
+        self.layers = nn.ModuleList(Block(arch, weights, i, make) for i in range(arch.layers))
+        self.norm = RMSNorm(weights["model.norm.weight"], arch.norm_eps)
+        head = weights["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = make(head, None, unit_axis="out", unit_size=head.shape[0])
+        self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(self.arch.layers, max_len)
+
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits for `ids` [B, T] after whatever `cache` already holds (a fresh one if None)."""
+        B, T = ids.shape
+        cache = cache if cache is not None else self.new_cache(T)
+        start = cache.length
+        positions = torch.arange(start, start + T)
+        cos, sin = rope_tables(self.inv_freq, positions)
+        x = self.embed_tokens[ids].float()
+        mask = self.attention_mask(positions, start + T)
+        for block in self.layers:
+            x = block(x, cos, sin, mask, cache)
+        cache.length = start + T
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    def attention_mask(self, positions: torch.Tensor, total: int) -> torch.Tensor | None:
+        """Causal (and sliding-window, for Mistral) mask of the new queries over all keys."""
+        window = self.arch.sliding_window
+        if len(positions) == 1 and (window is None or total <= window):
+            return None  # one new token sees everything cached
+        keys = torch.arange(total)
+        distance = positions[:, None] - keys[None, :]
+        allowed = distance >= 0
+        if window is not None:
+            allowed &= distance < window
+        return allowed
+
+
+def projection(weights: Mapping[str, torch.Tensor], base: str, rows_per_unit: int, make: LinearFactory) -> Projection:
+    """o_proj/down_proj are stored transposed (`weight_t`, unit axis = inputs); the rest HF-style."""
+    bias = weights.get(f"{base}.bias")
+    if f"{base}.weight_t" in weights:
+        return Projection(make(weights[f"{base}.weight_t"], bias, unit_axis="in", unit_size=rows_per_unit))
+    return Projection(make(weights[f"{base}.weight"], bias, unit_axis="out", unit_size=rows_per_unit))

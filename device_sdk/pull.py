@@ -1,0 +1,371 @@
+"""pull(): resolve a package version, download it (whole or up to a level), verify, install.
+
+Registry layout (a bucket or directory; the REST API will resolve to the same files):
+
+    <registry>/packages/<name>/<version>/manifest.json      signed, canonical JSON
+    <registry>/packages/<name>/<version>/<file>             every file the manifest lists
+    <registry>/packages/<name>/aliases/<alias>              text: the version it points to
+
+`registry` is a local path, a file:// URL or an http(s):// base URL (GET with Range).
+
+Order of trust: the manifest is fetched first and must carry `format_version` 1, the
+requested name and version, and a valid Ed25519 signature by the pinned `public_key`; only
+then are files fetched (in parallel) and each checked against the manifest's sha256 — or,
+for a `max_level` pull, each needed byte range against its signed range digest. Anything
+that fails is deleted and PackageError raised. Downloads go to a staging directory in the
+cache (interrupted transfers resume there with HTTP Range) and are renamed into place only
+once verified, so a half-downloaded package is never loadable.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+
+from device_sdk.package import (
+    MANIFEST,
+    WEIGHTS,
+    Manifest,
+    PackageError,
+    atomic_write_bytes,
+    canonical_json,
+    level_byte_ranges,
+    read_manifest,
+    verify_package,
+    verify_signature,
+)
+
+LOCAL_STATE = ".elastify-local.json"  # written by pull into the installed copy, never in a registry
+CHUNK = 1 << 20
+ATTEMPTS = 3  # per file; each retry resumes where the last one stopped
+
+
+def default_cache() -> Path:
+    home = Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
+    return home / "packages"
+
+
+# --------------------------------------------------------------------------- registries
+
+
+class Registry:
+    """Read access to a bucket or directory laid out as in the module docstring."""
+
+    @staticmethod
+    def open(location: str | Path) -> Registry:
+        text = str(location)
+        if text.startswith(("http://", "https://")):
+            return HTTPRegistry(text)
+        if text.startswith("file://"):
+            return DirectoryRegistry(Path(urllib.parse.urlparse(text).path))
+        return DirectoryRegistry(Path(text))
+
+    def read(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
+        """Write bytes [start, end) of `key` into `target` at offset `start`.
+
+        `advanced(position)` is called after every block that reached the file, so an
+        interrupted copy can resume from there.
+        """
+        raise NotImplementedError
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.read(key)
+        except FileNotFoundError:
+            return False
+        return True
+
+
+class DirectoryRegistry(Registry):
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def read(self, key: str) -> bytes:
+        path = self.root / key
+        if not path.is_file():
+            raise FileNotFoundError(key)
+        return path.read_bytes()
+
+    def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
+        with open(self.root / key, "rb") as source, open(target, "r+b") as sink:
+            source.seek(start)
+            sink.seek(start)
+            while start < end and (block := source.read(min(CHUNK, end - start))):
+                sink.write(block)
+                start += len(block)
+                advanced(start)
+        if start < end:
+            raise PackageError(f"{key} in the registry is shorter than the manifest says (truncated)")
+
+
+class HTTPRegistry(Registry):
+    def __init__(self, base_url: str, timeout: float = 30.0):
+        self.base = base_url.rstrip("/") + "/"
+        self.timeout = timeout
+
+    def _request(self, key: str, byte_range: tuple[int, int] | None = None):
+        request = urllib.request.Request(urllib.parse.urljoin(self.base, urllib.parse.quote(key)))
+        if byte_range is not None:
+            request.add_header("Range", f"bytes={byte_range[0]}-{byte_range[1] - 1}")
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as err:
+            if err.code == 404:
+                raise FileNotFoundError(key) from None
+            raise
+
+    def read(self, key: str) -> bytes:
+        with self._request(key) as response:
+            return response.read()
+
+    def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
+        with self._request(key, (start, end)) as response, open(target, "r+b") as sink:
+            if response.status != 206:  # the server ignored Range: skip to our offset in the full body
+                _discard(response, start)
+            sink.seek(start)
+            while start < end:
+                try:
+                    block = response.read(min(CHUNK, end - start))
+                except http.client.IncompleteRead as short:
+                    block = short.partial
+                if not block:
+                    raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
+                sink.write(block)
+                sink.flush()
+                start += len(block)
+                advanced(start)
+
+
+def _discard(response, count: int) -> None:
+    while count > 0:
+        block = response.read(min(CHUNK, count))
+        if not block:
+            raise ConnectionError("connection closed while skipping to the requested range")
+        count -= len(block)
+
+
+# --------------------------------------------------------------------------- local copies
+
+
+def read_local_state(package_dir: Path) -> dict | None:
+    """What pull recorded about an installed copy (None: not installed by pull)."""
+    path = Path(package_dir) / LOCAL_STATE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def verify_local(package_dir: Path, public_key=None, *, full: bool = True) -> Manifest:
+    """Check a local copy: format and signature always; every byte when `full`.
+
+    A partial copy is checked file by file for the files it holds and range by range, against
+    the signed range digests, for the weights it holds.
+    """
+    package_dir = Path(package_dir)
+    manifest = read_manifest(package_dir)
+    if public_key is not None:
+        verify_signature(manifest, public_key)
+    if not full:
+        return manifest
+    state = read_local_state(package_dir)
+    if state is None or state.get("max_level") is None:
+        return verify_package(package_dir, files=None)
+    verify_package(package_dir, files=[f for f in state["files"] if f != WEIGHTS])
+    _verify_ranges(package_dir / WEIGHTS, manifest, state["max_level"])
+    return manifest
+
+
+def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
+    import hashlib
+
+    digests = manifest.byte_ranges.get("sha256")
+    if digests is None:
+        raise PackageError("this package has no byte-range digests, so a partial pull cannot be verified")
+    with open(path, "rb") as handle:
+        if hashlib.sha256(handle.read(manifest.byte_ranges["header"][1])).hexdigest() != digests["header"]:
+            raise PackageError(f"{WEIGHTS}: the safetensors header does not match its signed digest")
+        for name, per_level in manifest.byte_ranges["tensors"].items():
+            start, end = per_level[level]
+            handle.seek(start)
+            if hashlib.sha256(handle.read(end - start)).hexdigest() != digests["tensors"][name][level]:
+                raise PackageError(f"{WEIGHTS}: tensor {name} (level {level}) does not match its signed digest")
+
+
+# --------------------------------------------------------------------------- pull
+
+
+def resolve_version(registry: Registry, name: str, version_or_alias: str) -> str:
+    if registry.exists(f"packages/{name}/{version_or_alias}/{MANIFEST}"):
+        return version_or_alias
+    try:
+        version = registry.read(f"packages/{name}/aliases/{version_or_alias}").decode().strip()
+    except FileNotFoundError:
+        raise PackageError(f"the registry has no version or alias {version_or_alias!r} of {name!r}") from None
+    if not version or "/" in version:
+        raise PackageError(f"alias {version_or_alias!r} of {name!r} points to an invalid version {version!r}")
+    return version
+
+
+def pull(
+    name: str,
+    version_or_alias: str,
+    *,
+    registry: str | Path,
+    public_key,
+    max_level: float | str | None = None,
+    cache_dir: Path | None = None,
+    workers: int = 4,
+) -> Path:
+    """Download, verify and install a package; return its local directory.
+
+    `public_key` is the pinned Ed25519 key (raw 32 bytes, base64, or a key object).
+    `max_level` fetches only the bytes that levels up to it need; the copy records that and
+    ElasticModel refuses any larger level. An installed copy that already covers the
+    request is returned without network traffic beyond resolving the version.
+    """
+    if public_key is None:
+        raise PackageError("pull needs the publisher's pinned public key")
+    source = Registry.open(registry)
+    version = resolve_version(source, name, version_or_alias)
+    prefix = f"packages/{name}/{version}"
+    raw_manifest = source.read(f"{prefix}/{MANIFEST}")
+    manifest = _trusted_manifest(raw_manifest, name, version, public_key)
+    level = None if max_level is None else manifest.elastic.level(max_level).name
+    if level is not None and level == manifest.elastic.levels[-1].name:
+        level = None  # the largest level needs every byte: a full pull
+
+    root = Path(cache_dir) if cache_dir is not None else default_cache()
+    target = root / name / version
+    if _covers(read_local_state(target), level):
+        return target
+    staging = root / name / f".staging-{version}"
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        files, needed_bytes = _fetch(source, prefix, manifest, staging, level, workers)
+        atomic_write_bytes(staging / MANIFEST, raw_manifest)
+        state = {
+            "name": name,
+            "version": version,
+            "registry": str(registry),
+            "max_level": level,
+            "files": files,
+            "bytes": needed_bytes,
+            "installed_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        atomic_write_bytes(staging / LOCAL_STATE, canonical_json(state))
+        verify_local(staging, public_key, full=True)
+    except PackageError:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing unverified is kept
+        raise
+    _install(staging, target)
+    return target
+
+
+def _trusted_manifest(raw: bytes, name: str, version: str, public_key) -> Manifest:
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise PackageError(f"the registry's manifest is not valid JSON: {err}") from None
+    manifest = Manifest.from_dict(data)  # refuses other format versions
+    verify_signature(manifest, public_key)
+    if (manifest.name, manifest.version) != (name, version):
+        raise PackageError(f"manifest is for {manifest.name} {manifest.version}, not {name} {version}")
+    for entry in manifest.files:
+        if entry.path.startswith("/") or ".." in Path(entry.path).parts or entry.path in (MANIFEST, LOCAL_STATE):
+            raise PackageError(f"manifest lists an unsafe file path {entry.path!r}")
+    return manifest
+
+
+def _covers(state: dict | None, level: str | None) -> bool:
+    if state is None:
+        return False
+    held = state.get("max_level")
+    return held is None or (level is not None and float(level) <= float(held))
+
+
+def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: str | None, workers: int) -> list[str]:
+    """Every needed (file, byte range) in parallel; returns the files the copy holds."""
+    skipped_adapters = set()
+    if level is not None:
+        skipped_adapters = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.ratio > float(level)}
+    jobs = []
+    files = []
+    for entry in manifest.files:
+        if entry.path in skipped_adapters:
+            continue
+        files.append(entry.path)
+        path = staging / entry.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists() or path.stat().st_size != entry.size:
+            with open(path, "ab") as handle:  # full size up front: ranges land at their offsets
+                handle.truncate(entry.size)
+        if entry.path == WEIGHTS and level is not None:
+            jobs += [(entry.path, start, end) for start, end in level_byte_ranges(manifest, level)]
+        else:
+            jobs.append((entry.path, 0, entry.size))
+    progress = _load_progress(staging)
+    pending = [job for job in jobs if progress.get(_job_key(job)) != job[2]]
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+            list(pool.map(lambda job: _fetch_range(source, prefix, staging, job, progress), pending))
+    finally:  # every worker has stopped: record how far each range got, for the next pull
+        _save_progress(staging, progress)
+    return files, sum(end - start for _, start, end in jobs)
+
+
+def _fetch_range(source: Registry, prefix: str, staging: Path, job, progress: dict):
+    """Fetch one byte range, resuming from what earlier attempts already wrote."""
+    path, start, end = job
+    key = _job_key(job)
+    for attempt in range(ATTEMPTS):
+        offset = max(start, int(progress.get(key, start)))
+        try:
+            source.copy(f"{prefix}/{path}", staging / path, offset, end, lambda done: progress.__setitem__(key, done))
+            return job
+        except (OSError, ConnectionError) as err:
+            if isinstance(err, FileNotFoundError):
+                raise PackageError(f"the registry is missing {path}") from None
+            if attempt == ATTEMPTS - 1:
+                raise ConnectionError(f"{path}: download failed after {ATTEMPTS} attempts ({err}); pull again to resume") from err
+            time.sleep(0.2 * (attempt + 1))
+    return job
+
+
+def _job_key(job) -> str:
+    return f"{job[0]}@{job[1]}-{job[2]}"
+
+
+PROGRESS = ".progress.json"
+
+
+def _load_progress(staging: Path) -> dict:
+    path = staging / PROGRESS
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _save_progress(staging: Path, progress: dict) -> None:
+    atomic_write_bytes(staging / PROGRESS, json.dumps(progress).encode())
+
+
+def _install(staging: Path, target: Path) -> None:
+    """Rename the verified copy into place (replacing a smaller partial copy, if any)."""
+    (staging / PROGRESS).unlink(missing_ok=True)
+    if target.exists():
+        retired = target.with_name(f".retired-{target.name}")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(target, retired)
+        os.rename(staging, target)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        os.rename(staging, target)

@@ -1,0 +1,260 @@
+"""ElasticModel: load a package, switch levels without copying, generate under an SLO.
+
+    model = ElasticModel.load(pull("smollm2", "latest", registry=..., public_key=...), quantize="int8")
+    out = model.generate("The capital of France is", slo=SLO(ttft_ms=200, tpot_ms=40))
+    out.text, out.level, out.ttft_ms, out.tpot_ms, out.slo_met
+
+Weights are memory-mapped from the package (copy-on-write) and only converted when a
+format other than the stored one is asked for. `set_level` / `set_widths` move views and
+swap the level's LoRA (all adapters are read at load), so switching is O(layers).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from device_sdk.kernels import make_linear
+from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
+from device_sdk.llama import Projection, Transformer
+from device_sdk.package import WEIGHTS, Level, Manifest, PackageError, safetensors_layout
+from device_sdk.pull import read_local_state, verify_local
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+LORA_SCALE_DEFAULT = 2.0  # alpha 16 / rank 8, the recovery stage's default
+
+
+def map_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of one copy-on-write memory map."""
+    data_start, header = safetensors_layout(path)
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+    tensors = {}
+    for name, info in header.items():
+        if info["dtype"] not in _TORCH_DTYPES:
+            raise PackageError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        tensors[name] = mapped[begin:end].view(_TORCH_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return tensors
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    level: str
+    ttft_ms: float
+    tpot_ms: float | None  # None when only one token was generated
+    slo_met: bool
+    prompt_tokens: int
+    decision: Decision = field(repr=False, default=None)
+
+
+class GenerationStream:
+    """Iterate for text pieces as they are decoded; `.result` holds the Generation afterwards."""
+
+    def __init__(self, steps: Iterator[str]):
+        self._steps = steps
+        self.result: Generation | None = None
+
+    def __iter__(self):
+        self.result = yield from self._steps
+
+
+class ElasticModel:
+    def __init__(self, package_dir: Path, manifest: Manifest, weights, tokenizer: Tokenizer, weight_format: str,
+                 native: bool, held_level: str | None):
+        self.package_dir = Path(package_dir)
+        self.manifest = manifest
+        self.tokenizer = tokenizer
+        self.weight_format = weight_format
+        self.held_level = held_level  # a partial pull holds levels up to this one only
+        make = partial(make_linear, weight_format=weight_format, native=native)
+        self.transformer = Transformer(manifest.architecture, weights, make)
+        self.adapters = self._read_adapters()
+        config = json.loads((self.package_dir / "model" / "config.json").read_text())
+        eos = config.get("eos_token_id")
+        self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.decide = choose_level  # the TLM issue swaps in its decision here (same signature)
+        self.compress = None  # and a prompt compressor: (prompt, ratio) -> prompt
+        self.level: str | None = None
+        self._profile: LatencyProfile | None = None
+        self.set_level(self.available_levels()[-1])
+
+    # -- loading -------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, package_dir: Path, *, public_key=None, quantize: str | None = None, native: bool = True,
+             verify: bool = True) -> ElasticModel:
+        """Open a local package. `quantize`: "int8" or "fp16" at load; None keeps the stored format.
+
+        A package installed by `pull` was verified then; anything else is verified here
+        (sha256 of every file, and the signature when `public_key` is given).
+        """
+        package_dir = Path(package_dir)
+        state = read_local_state(package_dir)
+        manifest = verify_local(package_dir, public_key, full=verify and state is None)
+        held = state.get("max_level") if state else None
+        stored = next(iter(safetensors_layout(package_dir / WEIGHTS)[1].values()))["dtype"]
+        weight_format = quantize or ("fp16" if stored == "F16" else "fp32")
+        tokenizer = Tokenizer.from_file(str(package_dir / "model" / "tokenizer.json"))
+        return cls(package_dir, manifest, map_weights(package_dir / WEIGHTS), tokenizer, weight_format, native, held)
+
+    def _read_adapters(self) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
+        """Per level: projection name -> (A [r, in_active], B [out_active, r], scale)."""
+        adapters = {}
+        for level in self.manifest.elastic.levels:
+            if level.adapter is None or not self.holds(level.name):
+                continue
+            path = self.package_dir / level.adapter
+            with safe_open(str(path), framework="pt") as handle:
+                meta = handle.metadata() or {}
+                scale = float(meta.get("scale", float(meta["alpha"]) / float(meta["rank"]) if "alpha" in meta
+                                       else LORA_SCALE_DEFAULT))
+                tensors = {_lora_key(k): handle.get_tensor(k).float() for k in handle.keys()}
+            pairs = {}
+            for key, a in tensors.items():
+                base, kind = key.rsplit(".", 1)
+                if kind == "A":
+                    pairs[base] = (a, tensors[f"{base}.B"], scale)
+            adapters[level.name] = pairs
+        return adapters
+
+    # -- switching -----------------------------------------------------------------------
+
+    def available_levels(self) -> list[str]:
+        return [level.name for level in self.manifest.elastic.levels if self.holds(level.name)]
+
+    def holds(self, level: str) -> bool:
+        return self.held_level is None or float(level) <= float(self.held_level)
+
+    def set_level(self, level: str | float) -> None:
+        """Switch to a package level and its LoRA: O(layers), no weight data copied."""
+        chosen: Level = self.manifest.elastic.level(level)
+        if not self.holds(chosen.name):
+            raise PackageError(
+                f"level {chosen.name} is above {self.held_level}, the most this partial copy holds; pull it again"
+            )
+        self._set_widths(chosen.attn_units, chosen.mlp_units, self.adapters.get(chosen.name, {}))
+        self.level = chosen.name
+
+    def set_widths(self, attn_units: list[int], mlp_units: list[int]) -> None:
+        """Any per-layer widths (e.g. a CLONE profile); no level, so no LoRA."""
+        layers = self.manifest.architecture.layers
+        if len(attn_units) != layers or len(mlp_units) != layers:
+            raise ValueError(f"need one width per layer ({layers})")
+        if self.held_level is not None:
+            held = self.manifest.elastic.level(self.held_level)
+            if any(a > h for a, h in zip(attn_units, held.attn_units, strict=True)) or any(
+                m > h for m, h in zip(mlp_units, held.mlp_units, strict=True)
+            ):
+                raise PackageError(f"widths exceed level {self.held_level}, the most this partial copy holds")
+        self._set_widths(attn_units, mlp_units, {})
+        self.level = None
+
+    def _set_widths(self, attn_units, mlp_units, lora) -> None:
+        for index, (block, groups, neurons) in enumerate(zip(self.transformer.layers, attn_units, mlp_units, strict=True)):
+            for name, proj in self._projections(block, index):
+                proj.linear.set_width(groups if ".self_attn." in name else neurons)
+                proj.lora = lora.get(name)
+
+    @staticmethod
+    def _projections(block, index: int) -> list[tuple[str, Projection]]:
+        prefix = f"model.layers.{index}"
+        return [(f"{prefix}.self_attn.{n}", getattr(block.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
+            (f"{prefix}.mlp.{n}", getattr(block.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")
+        ]
+
+    # -- running -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] of the current level for token ids [B, T] (no cache kept)."""
+        return self.transformer(ids)
+
+    @property
+    def latency_profile(self) -> LatencyProfile:
+        """This device's measured profile for this weight format, else a quick estimate."""
+        if self._profile is None:
+            path = profile_path(self.package_dir, self.weight_format)
+            self._profile = LatencyProfile.load(path) if path.is_file() else estimate_profile(self)
+        return self._profile
+
+    @latency_profile.setter
+    def latency_profile(self, profile: LatencyProfile) -> None:
+        self._profile = profile
+
+    def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
+                 level: str | float | None = None):
+        """Greedy generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
+
+        With `stream=True` returns a GenerationStream of text pieces; else a Generation.
+        """
+        steps = self._generate(prompt, slo, max_new_tokens, level)
+        if stream:
+            return GenerationStream(steps)
+        try:
+            while True:
+                next(steps)
+        except StopIteration as done:
+            return done.value
+
+    @torch.inference_mode()
+    def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level) -> Iterator[str]:
+        started = time.perf_counter()
+        ids = self.tokenizer.encode(prompt).ids
+        if not ids:
+            raise ValueError("the prompt encodes to no tokens")
+        levels = [self.manifest.elastic.level(name) for name in self.available_levels()]
+        if level is not None:
+            decision = Decision(self.manifest.elastic.level(level).name)
+        elif slo is not None:
+            decision = self.decide(prompt, len(ids), slo, self.latency_profile, levels)
+        else:
+            decision = Decision(levels[-1].name)
+        if decision.prompt_ratio < 1.0 and self.compress is not None:
+            ids = self.tokenizer.encode(self.compress(prompt, decision.prompt_ratio)).ids
+        if decision.level != self.level:
+            self.set_level(decision.level)  # KV cache is per request, so switching here is safe
+        max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
+        cache = self.transformer.new_cache(max_len)
+        tokens: list[int] = []
+        stamps: list[float] = []
+        text = ""
+        next_input = torch.tensor([ids])
+        while len(tokens) < max_new_tokens and cache.length < max_len:
+            logits = self.transformer(next_input, cache, last_only=True)
+            token = int(logits[0, -1].argmax())
+            stamps.append(time.perf_counter())
+            tokens.append(token)
+            if token in self.eos_ids:
+                break
+            decoded = self.tokenizer.decode(tokens)
+            if not decoded.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                piece, text = decoded[len(text):], decoded
+                if piece:
+                    yield piece
+            next_input = torch.tensor([[token]])
+        text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids])
+        ttft_ms = (stamps[0] - started) * 1000
+        tpot_ms = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1) if len(stamps) > 1 else None
+        met = True
+        if slo is not None:
+            target = slo.absolute(self.latency_profile, len(ids)) if slo.relative else slo
+            met = target.met(ttft_ms, tpot_ms)
+        return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), decision)
+
+
+def _lora_key(name: str) -> str:
+    """`…q_proj.lora_A[.weight]` (ours or peft's, any prefix) -> `model.layers.N.….q_proj.A`."""
+    name = name.removesuffix(".weight").replace(".lora_A", ".A").replace(".lora_B", ".B")
+    name = name.replace(".lora_a", ".A").replace(".lora_b", ".B")
+    return name[name.index("model.layers."):]
