@@ -1,0 +1,34 @@
+"""Content digests of external inputs (the source model), for stage cache keys.
+
+A directory's digest covers every file's relative path and sha256. Hashing a model takes a
+second or two, so results are remembered per process by (path, size, mtime) of each file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from device_sdk.package import canonical_json, sha256_file
+
+_memo: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: Path) -> str:
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _memo:
+        _memo[key] = sha256_file(path)
+    return _memo[key]
+
+
+def path_fingerprint(path: str) -> str:
+    """sha256 over a file, or over a directory's (relative path, sha256) list; 'missing:…' if absent."""
+    target = Path(path).expanduser()
+    if target.is_file():
+        return _file_digest(target)
+    if target.is_dir():
+        files = sorted(p for p in target.rglob("*") if p.is_file())
+        listing = [[p.relative_to(target).as_posix(), _file_digest(p)] for p in files]
+        return hashlib.sha256(canonical_json(listing)).hexdigest()
+    return f"missing:{path}"

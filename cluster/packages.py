@@ -1,0 +1,71 @@
+"""Registering a published package: files under packages/<name>/<version>/, then the package row.
+
+Versions are immutable: publishing a name and version again is refused unless it is the very
+same manifest (an identical, cached resubmission). Aliases move. The package row (with its
+aliases, in one transaction) is written after every file is in place, so a reader that finds
+the row finds a complete package.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from cluster.models import Alias, Event, Package, utcnow
+from device_sdk.package import MANIFEST
+
+
+class PublishRefused(ValueError):
+    """The name and version are already published with different content."""
+
+
+def package_prefix(name: str, version: str) -> str:
+    return f"packages/{name}/{version}"
+
+
+def register_package(ctx) -> None:
+    """on_success hook of the publish stage (ctx: cluster.scheduler.HookContext)."""
+    target = ctx.build.spec["publish"]
+    name, version, aliases = target["name"], target["version"], target.get("aliases", [])
+    ref = ctx.outputs["package"]
+    index = ctx.store.read_index(ref)
+    manifest_sha = next((f["sha256"] for f in index["files"] if f["path"] == MANIFEST), None)
+    if manifest_sha is None:
+        raise PublishRefused(f"artifact {ref.key} has no {MANIFEST}")
+    prefix = package_prefix(name, version)
+    with ctx.sessions() as session:
+        existing = session.scalar(select(Package).where(Package.name == name, Package.version == version))
+    if existing is not None:
+        if existing.manifest_sha256 != manifest_sha:
+            raise PublishRefused(f"{name} {version} is already published (by build {existing.build_id}); versions are immutable")
+        _log(ctx, f"{name} {version} already published with the same manifest; nothing to do")
+        return
+    if ctx.store.exists(f"{prefix}/{MANIFEST}"):
+        stored = hashlib.sha256(ctx.store.get_bytes(f"{prefix}/{MANIFEST}")).hexdigest()
+        if stored != manifest_sha:
+            raise PublishRefused(f"{prefix} already holds a different package; versions are immutable")
+    files = sorted((f["path"] for f in index["files"]), key=lambda p: p == MANIFEST)  # manifest last
+    for path in files:
+        ctx.store.copy(f"{ref.key}/files/{path}", f"{prefix}/{path}")
+    try:
+        with ctx.sessions.begin() as session:
+            package = Package(name=name, version=version, build_id=ctx.build.id, uri=prefix, manifest_sha256=manifest_sha)
+            session.add(package)
+            session.flush()
+            for alias in aliases:
+                row = session.get(Alias, (name, alias), with_for_update=True)
+                if row is None:
+                    session.add(Alias(package_name=name, alias=alias, package_id=package.id))
+                else:
+                    row.package_id, row.updated_at = package.id, utcnow()
+            session.add(Event(build_id=ctx.build.id, stage_id=ctx.stage.id, kind="state",
+                              message=f"published {name} {version} at {prefix}; aliases {aliases}"))
+    except IntegrityError:
+        raise PublishRefused(f"{name} {version} was published concurrently by another build") from None
+
+
+def _log(ctx, message: str) -> None:
+    with ctx.sessions.begin() as session:
+        session.add(Event(build_id=ctx.build.id, stage_id=ctx.stage.id, kind="state", message=message))

@@ -1,0 +1,507 @@
+"""The scheduler: lease ready stages from the database, run them on Ray, record what happened.
+
+It holds nothing that the database does not also hold, so a new scheduler resumes any build:
+stages it had in flight keep their lease until it expires, then return to the queue. Several
+schedulers may share one PostgreSQL (leases are taken with FOR UPDATE SKIP LOCKED and every
+status change is a conditional UPDATE); on SQLite one scheduler holds a file lock (one writer).
+
+One tick: renew my leases, requeue expired ones, cancel what was cancelled, lease and dispatch
+ready stages (or satisfy them from the cache), collect finished Ray tasks, store events, and
+close builds whose stages are all done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from importlib.metadata import version as package_version
+from pathlib import Path
+from typing import Any
+
+import ray
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.orm import aliased
+
+from cluster.db import is_sqlite, make_engine, session_factory
+from cluster.fingerprint import path_fingerprint
+from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
+from cluster.registry import Registry, StageRegistration
+from cluster.settings import Settings
+from cluster.states import TERMINAL, Status, advance
+from device_sdk.package import canonical_json
+from workers.ray_tasks import submit
+from workers.runner import ExternalInput, StageTask
+from workers.store import ArtifactRef
+
+log = logging.getLogger("elastify.scheduler")
+PIPELINE_VERSION = package_version("elastify")
+
+
+class SchedulerLockError(RuntimeError):
+    """Another scheduler already writes to this SQLite database."""
+
+
+@dataclass(frozen=True)
+class RuntimeValue:
+    """A value handed to stages at dispatch (not stored in the DB), e.g. the signing key."""
+
+    provide: Callable[[Build], str]
+    affects_output: bool  # if so, its sha256 (never the value) joins the cache key
+
+
+@dataclass
+class Inflight:
+    stage_id: int
+    build_id: str
+    stage_key: str
+    registration: StageRegistration
+    attempt_id: int
+    number: int
+    num_gpus: float
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class HookContext:
+    """What a registration's on_success hook gets: the finished stage and the services."""
+
+    sessions: Any
+    store: Any
+    build: Build
+    stage: Stage
+    outputs: dict[str, ArtifactRef]
+
+
+def backoff_seconds(settings: Settings, attempts: int) -> float:
+    return min(settings.retry_max_seconds, settings.retry_base_seconds * 2 ** max(0, attempts - 1))
+
+
+class Scheduler:
+    def __init__(self, settings: Settings, registry: Registry, *, owner: str | None = None,
+                 runtime: dict[str, RuntimeValue] | None = None, max_inflight: int = 64):
+        self.settings, self.registry, self.max_inflight = settings, registry, max_inflight
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.engine = make_engine(settings.database_url)
+        self.sessions = session_factory(self.engine)
+        self.store = settings.store.open()
+        self.runtime = runtime if runtime is not None else default_runtime(settings)
+        self.inflight: dict[Any, Inflight] = {}
+        self.events = None
+        self._lock_handle = None
+        self._last_heartbeat = self._last_sweep = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Scheduler:
+        """Take the SQLite writer lock if needed, prepare the store, open the event queue on Ray."""
+        if is_sqlite(self.settings.database_url):
+            self._take_sqlite_lock()
+        self.store.ensure_ready()
+        from ray.util.queue import Queue
+
+        self.events = Queue(maxsize=100_000, actor_options={"num_cpus": 0})
+        return self
+
+    def _take_sqlite_lock(self) -> None:
+        import fcntl
+
+        path = Path(self.settings.database_url.split("///", 1)[-1] + ".scheduler.lock").expanduser()
+        handle = open(path, "w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise SchedulerLockError(f"another scheduler is running against {self.settings.database_url}") from None
+        self._lock_handle = handle
+
+    def close(self) -> None:
+        """Stop: cancel my Ray tasks and hand their stages back to the queue at once."""
+        for ref, info in list(self.inflight.items()):
+            ray.cancel(ref, force=True)
+            self._finish_attempt(info, {"ok": False, "error": "scheduler stopped", "retryable": True}, exit="interrupted")
+        self.inflight.clear()
+        self._drain_events()
+        if self._lock_handle is not None:
+            self._lock_handle.close()
+            self._lock_handle = None
+        self.engine.dispose()
+
+    def run(self, until: Callable[[], bool] | None = None, idle_exit: bool = False, timeout: float | None = None) -> None:
+        """Tick until `until()` is true, or (with idle_exit) no work is left, or `timeout` seconds pass."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            busy = self.tick()
+            if until is not None and until():
+                return
+            if idle_exit and not busy and not self.inflight and not self._work_left():
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"scheduler {self.owner} still busy after {timeout} s")
+
+    def run_until_done(self, build_ids: list[str], timeout: float = 600.0) -> None:
+        self.run(until=lambda: all(self.status(b) in TERMINAL for b in build_ids), timeout=timeout)
+
+    def status(self, build_id: str) -> Status:
+        with self.sessions() as session:
+            return Status(session.scalar(select(Build.status).where(Build.id == build_id)))
+
+    def tick(self) -> bool:
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.settings.lease_seconds / 3:
+            self._heartbeat()
+            self._last_heartbeat = now
+        if now - self._last_sweep >= min(1.0, self.settings.lease_seconds / 3):
+            self._requeue_expired()
+            self._finalize_open_builds()
+            self._last_sweep = now
+        self._cancel_requested()
+        dispatched = self._lease_and_dispatch()
+        collected = self._collect()
+        self._drain_events()
+        return bool(dispatched or collected)
+
+    # ------------------------------------------------------------------ leases
+
+    def _lease_until(self):
+        return utcnow() + timedelta(seconds=self.settings.lease_seconds)
+
+    def _heartbeat(self) -> None:
+        with self.sessions.begin() as session:
+            session.execute(
+                update(Stage)
+                .where(Stage.lease_owner == self.owner, Stage.status == Status.RUNNING.value)
+                .values(lease_expires_at=self._lease_until())
+            )
+
+    def _requeue_expired(self) -> None:
+        """Stages whose lease ran out (their scheduler died) go back to the queue, or fail when out of attempts."""
+        with self.sessions.begin() as session:
+            expired = session.scalars(
+                select(Stage)
+                .where(Stage.status == Status.RUNNING.value, Stage.lease_expires_at < utcnow(),
+                       Stage.lease_owner != self.owner)
+                .with_for_update(skip_locked=True)
+            ).all()
+            for stage in expired:
+                attempt = session.scalar(
+                    select(Attempt).where(Attempt.stage_id == stage.id, Attempt.status == Status.RUNNING.value)
+                )
+                if attempt is not None:
+                    wall = (utcnow() - attempt.started_at).total_seconds()
+                    advance(session, Attempt, attempt.id, Status.RUNNING, Status.FAILED, exit="lease_expired",
+                            error=f"lease of {stage.lease_owner} expired", ended_at=utcnow(), wall_seconds=wall,
+                            gpu_seconds=wall * attempt.num_gpus)
+                cancelled = session.scalar(select(Build.cancel_requested).where(Build.id == stage.build_id))
+                self._after_failure(session, stage, f"lease of {stage.lease_owner} expired", True, cancelled)
+
+    def _ready_stages(self, session, limit: int) -> list[Stage]:
+        upstream = aliased(Stage)
+        blocked = exists().where(
+            StageInput.stage_id == Stage.id, StageInput.upstream_id == upstream.id,
+            upstream.status != Status.SUCCEEDED.value,
+        )
+        now = utcnow()
+        query = (
+            select(Stage)
+            .join(Build, Build.id == Stage.build_id)
+            .where(Stage.status == Status.QUEUED.value, (Stage.not_before.is_(None)) | (Stage.not_before <= now),
+                   Build.cancel_requested.is_(False), ~blocked)
+            .order_by(Stage.id)
+            .limit(limit)
+            .with_for_update(of=Stage, skip_locked=True)
+        )
+        return session.scalars(query).all()
+
+    def _lease_and_dispatch(self) -> int:
+        room = self.max_inflight - len(self.inflight)
+        if room <= 0:
+            return 0
+        with self.sessions.begin() as session:
+            leased = []
+            for stage in self._ready_stages(session, room):
+                if advance(session, Stage, stage.id, Status.QUEUED, Status.RUNNING, lease_owner=self.owner,
+                           lease_expires_at=self._lease_until(), started_at=stage.started_at or utcnow()):
+                    leased.append(stage.id)
+                    advance(session, Build, stage.build_id, Status.QUEUED, Status.RUNNING, started_at=utcnow())
+        for stage_id in leased:
+            self._dispatch(stage_id)
+        return len(leased)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _inputs(self, session, stage: Stage) -> dict[str, ArtifactRef | ExternalInput]:
+        inputs = {}
+        for edge in stage.inputs:
+            if edge.external is not None:
+                inputs[edge.name] = ExternalInput(edge.external)
+                continue
+            artifact = session.scalar(
+                select(Artifact).where(Artifact.stage_id == edge.upstream_id, Artifact.name == edge.upstream_output)
+            )
+            inputs[edge.name] = ArtifactRef(artifact.uri, artifact.digest, artifact.size)
+        return inputs
+
+    def _cache_key(self, stage: Stage, registration: StageRegistration, inputs, runtime: dict[str, str]) -> str:
+        digests = {
+            name: ref.digest if isinstance(ref, ArtifactRef) else path_fingerprint(ref.path)
+            for name, ref in inputs.items()
+        }
+        hashed_runtime = {
+            name: hashlib.sha256(value.encode()).hexdigest()
+            for name, value in runtime.items()
+            if self.runtime[name].affects_output
+        }
+        material = {
+            "stage": registration.name, "stage_version": registration.version, "pipeline": PIPELINE_VERSION,
+            "settings": stage.settings, "inputs": digests, "runtime": hashed_runtime,
+        }
+        return hashlib.sha256(canonical_json(material)).hexdigest()
+
+    def _cached_outputs(self, session, stage: Stage, registration: StageRegistration) -> dict[str, ArtifactRef] | None:
+        donors = session.scalars(
+            select(Stage.id).where(Stage.cache_key == stage.cache_key, Stage.status == Status.SUCCEEDED.value,
+                                   Stage.id != stage.id).order_by(Stage.id.desc()).limit(5)
+        ).all()
+        for donor in donors:
+            rows = {a.name: a for a in session.scalars(select(Artifact).where(Artifact.stage_id == donor))}
+            if not set(registration.outputs) <= set(rows):
+                continue
+            refs = {name: ArtifactRef(rows[name].uri, rows[name].digest, rows[name].size) for name in registration.outputs}
+            if all(self.store.artifact_exists(ref) for ref in refs.values()):
+                return refs
+        return None
+
+    def _dispatch(self, stage_id: int) -> None:
+        with self.sessions.begin() as session:
+            stage = session.get(Stage, stage_id)
+            build = session.get(Build, stage.build_id)
+            registration = self.registry.get(stage.type)
+            try:
+                inputs = self._inputs(session, stage)
+                runtime = {name: self.runtime[name].provide(build) for name in registration.runtime}
+                if build.spec.get("cache", True):
+                    stage.cache_key = self._cache_key(stage, registration, inputs, runtime)
+                    cached = self._cached_outputs(session, stage, registration) if stage.cache_key else None
+                else:
+                    cached = None
+            except Exception as err:  # e.g. the signing key is missing: a clear, permanent failure
+                self._after_failure(session, stage, f"{type(err).__name__}: {err}", False, False)
+                return
+            if cached is not None:
+                session.add(Event(build_id=build.id, stage_id=stage.id, kind="state", message="cache hit"))
+        if cached is not None:
+            try:
+                self._run_hook(registration, stage_id, cached)
+            except Exception as err:
+                with self.sessions.begin() as session:
+                    self._after_failure(session, session.get(Stage, stage_id), f"{type(err).__name__}: {err}", False, False)
+                return
+            self._succeed(stage_id, cached, cache_hit=True)
+            return
+        with self.sessions.begin() as session:
+            stage = session.get(Stage, stage_id)
+            number = stage.attempts + 1
+            stage.attempts = number
+            attempt = Attempt(stage_id=stage.id, number=number, worker=self.owner,
+                              num_cpus=float(stage.resources.get("num_cpus") or 0),
+                              num_gpus=float(stage.resources.get("num_gpus") or 0))
+            session.add(attempt)
+            session.flush()
+            task = StageTask(
+                build_id=stage.build_id, stage_id=stage.id, stage_key=stage.key, attempt=number,
+                function=registration.function, inputs=inputs, outputs=registration.outputs,
+                settings=dict(stage.settings), store=self.settings.store,
+                output_prefix=f"builds/{stage.build_id}/{stage.key}/a{number}", runtime=runtime,
+            )
+            ref = submit(task, stage.resources, self.events)
+            self.inflight[ref] = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number,
+                                          attempt.num_gpus)
+            session.add(Event(build_id=stage.build_id, stage_id=stage.id, attempt=number, kind="state",
+                              message=f"dispatched attempt {number} to Ray with {stage.resources}"))
+
+    # ------------------------------------------------------------------ results
+
+    def _collect(self) -> int:
+        if not self.inflight:
+            time.sleep(self.settings.poll_seconds)
+            return 0
+        done, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight),
+                           timeout=self.settings.poll_seconds, fetch_local=True)
+        for ref in done:
+            info = self.inflight.pop(ref)
+            exit_reason = None
+            try:
+                result = ray.get(ref)
+            except ray.exceptions.TaskCancelledError:
+                result, exit_reason = {"ok": False, "error": "cancelled", "retryable": False}, "cancelled"
+            except ray.exceptions.RayError as err:  # the worker process died, or Ray lost the task
+                first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                result = {"ok": False, "error": f"{type(err).__name__}: {first_line}", "retryable": True}
+                exit_reason = "crashed"
+            self._record(info, result, exit_reason)
+        return len(done)
+
+    def _record(self, info: Inflight, result: dict[str, Any], exit_reason: str | None) -> None:
+        if result["ok"]:
+            try:
+                self._run_hook(info.registration, info.stage_id, result["outputs"])
+            except Exception as err:
+                result = {**result, "ok": False, "error": f"{type(err).__name__}: {err}", "retryable": False}
+                exit_reason = "error"
+        self._finish_attempt(info, result, exit=exit_reason or ("ok" if result["ok"] else "error"))
+        if result["ok"]:
+            self._succeed(info.stage_id, result["outputs"], cache_hit=False)
+
+    def _run_hook(self, registration: StageRegistration, stage_id: int, outputs: dict[str, ArtifactRef]) -> None:
+        if registration.on_success is None:
+            return
+        with self.sessions() as session:
+            stage = session.get(Stage, stage_id)
+            build = session.get(Build, stage.build_id)
+        registration.on_success(HookContext(self.sessions, self.store, build, stage, outputs))
+
+    def _finish_attempt(self, info: Inflight, result: dict[str, Any], exit: str) -> None:
+        """Record the attempt's compute and outcome; on failure retry, fail or cancel the stage."""
+        wall = result.get("wall_seconds") or (time.monotonic() - info.started)
+        status = Status.SUCCEEDED if result["ok"] else (Status.CANCELLED if exit == "cancelled" else Status.FAILED)
+        with self.sessions.begin() as session:
+            advance(session, Attempt, info.attempt_id, Status.RUNNING, status, exit=exit, error=result.get("error"),
+                    wall_seconds=wall, cpu_seconds=result.get("cpu_seconds") or 0.0,
+                    gpu_seconds=wall * info.num_gpus, ended_at=utcnow())
+            if not result["ok"]:
+                stage = session.get(Stage, info.stage_id)
+                if stage.status == Status.RUNNING.value and stage.lease_owner == self.owner:
+                    retryable = result.get("retryable", False) and exit != "interrupted"
+                    if exit == "interrupted":  # a clean stop is not the stage's fault: don't spend an attempt
+                        stage.attempts -= 1
+                        retryable = True
+                    self._after_failure(session, stage, result["error"], retryable, exit == "cancelled")
+                    session.add(Event(build_id=info.build_id, stage_id=info.stage_id, attempt=info.number,
+                                      kind="log", level="error", message=f"attempt {info.number} {exit}: {result['error']}"))
+
+    def _after_failure(self, session, stage: Stage, error: str, retryable: bool, cancelled: bool) -> None:
+        released = dict(lease_owner=None, lease_expires_at=None)
+        if cancelled:
+            advance(session, Stage, stage.id, stage.status, Status.CANCELLED, error="build cancelled",
+                    finished_at=utcnow(), **released)
+        elif retryable and stage.attempts < stage.max_attempts:
+            delay = backoff_seconds(self.settings, stage.attempts)
+            advance(session, Stage, stage.id, stage.status, Status.QUEUED, error=error,
+                    not_before=utcnow() + timedelta(seconds=delay), **released)
+            session.add(Event(build_id=stage.build_id, stage_id=stage.id, kind="state",
+                              message=f"retrying in {delay:.1f} s after: {error}"))
+        else:
+            advance(session, Stage, stage.id, stage.status, Status.FAILED, error=error, finished_at=utcnow(), **released)
+            # Nothing downstream can run now; stop the queued rest of the build.
+            session.execute(
+                update(Stage)
+                .where(Stage.build_id == stage.build_id, Stage.status == Status.QUEUED.value)
+                .values(status=Status.CANCELLED.value, error=f"skipped: stage {stage.key} failed", finished_at=utcnow())
+            )
+        self._finalize(session, stage.build_id)
+
+    def _succeed(self, stage_id: int, outputs: dict[str, ArtifactRef], cache_hit: bool) -> None:
+        with self.sessions.begin() as session:
+            stage = session.get(Stage, stage_id)
+            won = advance(session, Stage, stage_id, Status.RUNNING, Status.SUCCEEDED, Stage.lease_owner == self.owner,
+                          cache_hit=cache_hit, finished_at=utcnow(), error=None, lease_owner=None,
+                          lease_expires_at=None)
+            if not won:  # our lease was taken over meanwhile; the other attempt's result counts
+                log.warning("stage %s of %s was no longer ours; result dropped", stage.key, stage.build_id)
+                return
+            for name, ref in outputs.items():
+                session.add(Artifact(stage_id=stage_id, name=name, uri=ref.key, digest=ref.digest, size=ref.size))
+            self._finalize(session, stage.build_id)
+
+    # ------------------------------------------------------------------ builds
+
+    def _finalize(self, session, build_id: str) -> None:
+        """Close the build if every stage is terminal (locks the build row, so only one closer wins)."""
+        build = session.get(Build, build_id, with_for_update=True, populate_existing=True)
+        if Status(build.status) in TERMINAL:
+            return
+        counts = dict(session.execute(
+            select(Stage.status, func.count()).where(Stage.build_id == build_id).group_by(Stage.status)
+        ).all())
+        if counts.get(Status.QUEUED.value) or counts.get(Status.RUNNING.value):
+            return
+        if counts.get(Status.FAILED.value):
+            error = session.scalar(
+                select(Stage.key + ": " + Stage.error).where(Stage.build_id == build_id, Stage.status == Status.FAILED.value)
+                .order_by(Stage.finished_at).limit(1)
+            )
+            new = Status.FAILED
+        elif build.cancel_requested or counts.get(Status.CANCELLED.value):
+            new, error = Status.CANCELLED, "cancelled"
+        else:
+            new, error = Status.SUCCEEDED, None
+        if build.status == Status.QUEUED.value and new == Status.SUCCEEDED:
+            advance(session, Build, build_id, Status.QUEUED, Status.RUNNING, started_at=utcnow())
+            build.status = Status.RUNNING.value
+        advance(session, Build, build_id, build.status, new, error=error, finished_at=utcnow())
+        session.add(Event(build_id=build_id, kind="state", message=f"build {new.value}" + (f": {error}" if error else "")))
+
+    def _finalize_open_builds(self) -> None:
+        unfinished = exists().where(Stage.build_id == Build.id,
+                                    Stage.status.in_([Status.QUEUED.value, Status.RUNNING.value]))
+        with self.sessions.begin() as session:
+            for build_id in session.scalars(
+                select(Build.id).where(Build.status.in_([Status.QUEUED.value, Status.RUNNING.value]), ~unfinished)
+            ):
+                self._finalize(session, build_id)
+
+    def _cancel_requested(self) -> None:
+        if not self.inflight:
+            return
+        with self.sessions() as session:
+            doomed = set(session.scalars(
+                select(Build.id).where(Build.id.in_({i.build_id for i in self.inflight.values()}),
+                                       Build.cancel_requested.is_(True))
+            ))
+        for ref, info in list(self.inflight.items()):
+            if info.build_id in doomed:
+                ray.cancel(ref, force=True)  # kills the worker process: the stage really stops
+                del self.inflight[ref]
+                self._finish_attempt(info, {"ok": False, "error": "cancelled"}, exit="cancelled")
+
+    def _work_left(self) -> bool:
+        with self.sessions() as session:
+            return bool(session.scalar(
+                select(func.count()).select_from(Stage).where(Stage.status.in_([Status.QUEUED.value, Status.RUNNING.value]))
+            ))
+
+    # ------------------------------------------------------------------ events
+
+    def _drain_events(self) -> None:
+        if self.events is None:
+            return
+        try:
+            count = self.events.qsize()
+            batch = self.events.get_nowait_batch(count) if count else []
+        except Exception:  # the queue actor is gone; events are best effort
+            return
+        if not batch:
+            return
+        with self.sessions.begin() as session:
+            for event in batch:
+                session.add(Event(
+                    build_id=event["build_id"], stage_id=event.get("stage_id"), attempt=event.get("attempt"),
+                    kind=event.get("kind", "log"), level=event.get("level", "info"), message=str(event.get("message", "")),
+                    data=event.get("data"),
+                ))
+
+
+def default_runtime(settings: Settings) -> dict[str, RuntimeValue]:
+    return {
+        "build_id": RuntimeValue(lambda build: build.id, affects_output=False),
+        "signing_key": RuntimeValue(lambda build: settings.signing_key_pem().decode(), affects_output=True),
+    }
+
+

@@ -1,0 +1,122 @@
+"""One stage attempt on a worker: fetch inputs, call the pipeline function, store outputs.
+
+Plain Python with no Ray in it, so it is testable alone; `workers.ray_tasks` wraps it. The
+result is a small dict (artifact refs, wall and CPU seconds, or a classified error) — never
+an exception for a stage-level failure, so that time spent on failed attempts is reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.stage import StageContext
+from workers.store import ArtifactRef, StoreConfig, StoreError
+
+# Errors that retrying cannot fix: bad settings, a missing or unsupported model, tampered data.
+PERMANENT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError, ImportError)
+PROGRESS_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class ExternalInput:
+    """An input that is not an artifact, e.g. the source model directory named in the spec."""
+
+    path: str
+
+
+@dataclass
+class StageTask:
+    build_id: str
+    stage_id: int
+    stage_key: str
+    attempt: int
+    function: str  # "module:function" with the stage contract run(inputs, settings, ctx) -> outputs
+    inputs: dict[str, ArtifactRef | ExternalInput]
+    outputs: tuple[str, ...]
+    settings: dict[str, Any]
+    store: StoreConfig
+    output_prefix: str  # builds/<build>/<stage>/a<attempt>
+    runtime: dict[str, Any] = field(default_factory=dict)  # merged into settings, never cached or stored
+
+
+def resolve_function(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"stage function {path!r} must look like 'package.module:function'")
+    return getattr(importlib.import_module(module), name)
+
+
+class _EventLogHandler(logging.Handler):
+    def __init__(self, emit_event: Callable[[dict], None]):
+        super().__init__(logging.INFO)
+        self.emit_event = emit_event
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.emit_event({"kind": "log", "level": record.levelname.lower(), "message": record.getMessage()})
+
+
+def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> StageContext:
+    logger = logging.getLogger(f"elastify.stage.{task.build_id}.{task.stage_key}")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.handlers = [_EventLogHandler(emit)]
+    last: dict[str, float] = {}
+
+    def on_progress(name: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done >= total or now - last.get(name, 0.0) >= PROGRESS_EVERY_S:
+            last[name] = now
+            emit({"kind": "progress", "message": name, "data": {"done": done, "total": total}})
+
+    # The logger already receives every progress line from StageContext; don't repeat them often.
+    return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0)
+
+
+def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:
+    inputs = {}
+    for name, ref in task.inputs.items():
+        if isinstance(ref, ExternalInput):
+            path = Path(ref.path).expanduser()
+            if not path.exists():
+                raise FileNotFoundError(f"input {name!r}: {ref.path} does not exist")
+            inputs[name] = path
+        else:
+            inputs[name] = store.get_artifact(ref, scratch / "inputs" / name)
+    return inputs
+
+
+def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict[str, Any]:
+    """Run one attempt; return {"ok", "outputs" | "error"+"retryable", "wall_seconds", "cpu_seconds"}."""
+    emit = emit or (lambda event: None)
+    started_wall, started_cpu = time.monotonic(), time.process_time()
+    result: dict[str, Any]
+    try:
+        store = task.store.open()
+        function = resolve_function(task.function)
+        with tempfile.TemporaryDirectory(prefix=f"elastify-{task.stage_key}-") as scratch:
+            scratch = Path(scratch)
+            inputs = _fetch(task, store, scratch)
+            ctx = _context(task, scratch / "work", emit)
+            ctx.work_dir.mkdir()
+            outputs = function(inputs, {**task.settings, **task.runtime}, ctx)
+            missing = set(task.outputs) - set(outputs or {})
+            if missing:
+                raise ValueError(f"stage function {task.function} did not return outputs {sorted(missing)}")
+            refs = {name: store.put_artifact(f"{task.output_prefix}/{name}", Path(outputs[name])) for name in task.outputs}
+        result = {"ok": True, "outputs": refs}
+    except StoreError as err:
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": True}
+    except PERMANENT_ERRORS as err:
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": False}
+    except Exception as err:  # anything else may be transient (OOM, a flaky filesystem): retry
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": True}
+    result["wall_seconds"] = time.monotonic() - started_wall
+    result["cpu_seconds"] = time.process_time() - started_cpu
+    return result
