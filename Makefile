@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint unit assets venv bench clean
+.PHONY: demo test lint unit assets venv bench clean services
 
 venv: $(STAMP)
 
@@ -29,7 +29,11 @@ assets: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-test: assets lint
+# Integration tests start their own PostgreSQL from the server binaries; install them if absent.
+services:
+	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
+
+test: assets lint services
 	$(PY) -m pytest tests
 
 demo: assets

@@ -48,6 +48,9 @@ def alembic_config(url: str):
 
 def migrate(url: str) -> None:
     """Bring the database to the newest schema (idempotent)."""
+    import logging
+
     from alembic import command
 
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # its INFO lines are noise on every start
     command.upgrade(alembic_config(url), "head")

@@ -12,6 +12,20 @@ from pathlib import Path
 from device_sdk.package import canonical_json, sha256_file
 
 _memo: dict[tuple[str, int, int], str] = {}
+# Code whose change can change a stage's output; its digest is part of every cache key.
+PIPELINE_SOURCES = ("pipeline", "workers", "device_sdk")
+
+
+def pipeline_version() -> str:
+    """The installed version plus a digest of the pipeline's source, e.g. '0.1.0+3f2a9c1b7d04'."""
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for package in PIPELINE_SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return f"{version('elastify')}+{digest.hexdigest()[:12]}"
 
 
 def _file_digest(path: Path) -> str:

@@ -21,7 +21,6 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import aliased
 
 from cluster.db import is_sqlite, make_engine, session_factory
-from cluster.fingerprint import path_fingerprint
+from cluster.fingerprint import path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
 from cluster.registry import Registry, StageRegistration
 from cluster.settings import Settings
@@ -38,10 +37,10 @@ from cluster.states import TERMINAL, Status, advance
 from device_sdk.package import canonical_json
 from workers.ray_tasks import submit
 from workers.runner import ExternalInput, StageTask
-from workers.store import ArtifactRef
+from workers.store import ArtifactRef, StoreError
 
 log = logging.getLogger("elastify.scheduler")
-PIPELINE_VERSION = package_version("elastify")
+PIPELINE_VERSION = pipeline_version()
 
 
 class SchedulerLockError(RuntimeError):
@@ -103,7 +102,10 @@ class Scheduler:
         """Take the SQLite writer lock if needed, prepare the store, open the event queue on Ray."""
         if is_sqlite(self.settings.database_url):
             self._take_sqlite_lock()
-        self.store.ensure_ready()
+        try:
+            self.store.ensure_ready()
+        except StoreError as err:  # the store may come back; stages that need it retry, then fail clearly
+            log.warning("artifact store not ready: %s", err)
         from ray.util.queue import Queue
 
         self.events = Queue(maxsize=100_000, actor_options={"num_cpus": 0})
@@ -128,6 +130,9 @@ class Scheduler:
             self._finish_attempt(info, {"ok": False, "error": "scheduler stopped", "retryable": True}, exit="interrupted")
         self.inflight.clear()
         self._drain_events()
+        if self.events is not None:
+            ray.kill(self.events.actor)
+            self.events = None
         if self._lock_handle is not None:
             self._lock_handle.close()
             self._lock_handle = None

@@ -17,7 +17,8 @@ from pipeline.stage import StageContext
 
 def _journal(settings: dict, event: str, **extra) -> None:
     if settings.get("journal"):
-        line = json.dumps({"key": settings.get("tag"), "pid": os.getpid(), "event": event, "t": time.time(), **extra})
+        key = "|".join(str(settings.get(name, "")) for name in ("tag", "level"))  # one key per DAG node
+        line = json.dumps({"key": key, "pid": os.getpid(), "event": event, "t": time.time(), **extra})
         with open(settings["journal"], "a") as handle:  # O_APPEND: one small write is atomic
             handle.write(line + "\n")
 

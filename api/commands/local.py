@@ -123,17 +123,9 @@ def _summary(manifest, quality: dict, seconds: float, out: Path) -> None:
 
 
 def demo() -> None:
-    """Build an elastic package of the real SmolLM2-135M on this machine and print its levels."""
-    from pipeline.assets import elastify_home, prepare_smollm2
+    """Build SmolLM2-135M end to end in embedded mode (scheduler + local Ray + SQLite + local store)."""
+    from api.commands.cluster import embedded_demo
 
-    configure_logging()
-    model_dir = prepare_smollm2(progress=log.info)
-    out = elastify_home() / "demo" / "smollm2-elastic"
-    elastify_command(
-        model=str(model_dir), out=out, levels="0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", anchor_fraction=0.2,
-        calib=["ptb:train"], windows=16, window_length=128, taylor="param_first", layer_method="loo",
-        order="taylor", align=32, eval_corpus=["ptb:test"], eval_windows=8, name="smollm2-135m-elastic",
-        version="0.1.0", seed=0, overwrite=True,
-    )
+    embedded_demo()
 
 

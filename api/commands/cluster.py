@@ -1,0 +1,207 @@
+"""Commands that talk to the control plane: `up`, `build submit|status|cancel`, `usage`, and the demo."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from api.progress import configure_logging, console, progress_bars
+
+build_app = typer.Typer(no_args_is_help=True, help="Submit, follow and cancel builds.")
+log = logging.getLogger("elastify")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code=2)
+
+
+def _sessions(settings):
+    from cluster.db import make_engine, migrate, session_factory
+
+    migrate(settings.database_url)
+    return session_factory(make_engine(settings.database_url))
+
+
+def up() -> None:
+    """Run the service on this machine: scheduler + local Ray (no dashboard) + SQLite + local store.
+
+    The same command runs production with ELASTIFY_DATABASE_URL / ELASTIFY_RAY_ADDRESS / ELASTIFY_STORE_URL.
+    """
+    from cluster.embedded import running_service
+    from cluster.settings import Settings
+
+    configure_logging()
+    settings = Settings.from_env()
+    with running_service(settings) as scheduler:
+        console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
+        console.print(f"manifests are signed by public key {settings.public_key_b64()}; Ctrl-C stops")
+        try:
+            scheduler.run()
+        except KeyboardInterrupt:
+            console.print("stopping; running stages go back to the queue")
+
+
+@build_app.command("submit")
+def build_submit(
+    spec: Path = typer.Argument(..., help="BuildSpec file (YAML or JSON)"),
+    tenant: str = typer.Option("default"),
+    idempotency_key: str | None = typer.Option(None),
+) -> None:
+    """Validate a spec and queue the build; a running `elastify up` picks it up."""
+    from cluster.service import submit_build
+    from cluster.settings import Settings
+    from cluster.spec import SpecError, parse_spec
+    from cluster.stages import builtin_registry
+
+    try:
+        build_id = submit_build(_sessions(Settings.from_env()), parse_spec(spec), builtin_registry(), tenant, idempotency_key)
+    except SpecError as err:
+        _fail(str(err))
+        return
+    console.print(build_id)
+
+
+@build_app.command("status")
+def build_status(build_id: str) -> None:
+    """Print a build's stages, attempts and package as JSON."""
+    from cluster.service import build_summary
+    from cluster.settings import Settings
+
+    try:
+        print(json.dumps(build_summary(_sessions(Settings.from_env()), build_id), indent=2, default=str))
+    except KeyError as err:
+        _fail(str(err))
+
+
+@build_app.command("cancel")
+def build_cancel(build_id: str) -> None:
+    """Cancel a build: queued stages stop at once, running Ray tasks are cancelled by the scheduler."""
+    from cluster.service import cancel_build
+    from cluster.settings import Settings
+
+    try:
+        console.print(cancel_build(_sessions(Settings.from_env()), build_id))
+    except KeyError as err:
+        _fail(str(err))
+
+
+def usage(by: str = typer.Option("build", help="build, stage_type, tenant or day")) -> None:
+    """Wall, CPU and GPU seconds of every attempt (failed ones too), rolled up."""
+    from cluster.ledger import usage as rollup
+    from cluster.settings import Settings
+
+    with _sessions(Settings.from_env())() as session:
+        try:
+            rows = rollup(session, by)
+        except ValueError as err:
+            _fail(str(err))
+            return
+    table = Table(title=f"usage by {by}")
+    for column in (by, "attempts", "wall s", "cpu s", "gpu s"):
+        table.add_column(column, justify="right")
+    for key, row in sorted(rows.items()):
+        table.add_row(key, str(row["attempts"]), f"{row['wall_seconds']:.1f}", f"{row['cpu_seconds']:.1f}", f"{row['gpu_seconds']:.1f}")
+    console.print(table)
+
+
+def mount(app: typer.Typer) -> None:
+    """Add these commands to the `elastify` CLI."""
+    app.command("up")(up)
+    app.add_typer(build_app, name="build")
+    app.command("usage")(usage)
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def demo_spec(model_dir: Path) -> dict:
+    from cluster.fingerprint import pipeline_version
+
+    # The version carries the pipeline's code digest: same code, same (cached) package; new code, new version.
+    code = pipeline_version().split("+", 1)[1][:8]
+    return {
+        "source": {"model": str(model_dir)},
+        "calibration": ["ptb:train"],
+        "levels": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+        "stages": {
+            "profile": {"settings": {"windows": 16, "window_length": 128}},
+            "elastify": {"settings": {"anchor_fraction": 0.2}},
+            "evaluate": {"settings": {"windows": 8}},
+        },
+        "publish": {"name": "smollm2-135m-elastic", "version": f"0.1.0-{code}", "aliases": ["latest"]},
+    }
+
+
+def _follow(scheduler, build_id: str, on_progress):
+    """An `until` callback for the scheduler loop that streams the build's events to the console."""
+    from sqlalchemy import select
+
+    from cluster.models import Event, Stage
+    from cluster.states import TERMINAL
+
+    seen = 0
+
+    def until() -> bool:
+        nonlocal seen
+        with scheduler.sessions() as session:
+            rows = session.execute(
+                select(Event, Stage.key).outerjoin(Stage, Stage.id == Event.stage_id)
+                .where(Event.build_id == build_id, Event.id > seen).order_by(Event.id)
+            ).all()
+        for event, stage_key in rows:
+            seen = event.id
+            if event.kind == "progress" and event.data:
+                on_progress(f"{stage_key}: {event.message}", event.data["done"], event.data["total"])
+            elif event.kind != "progress":
+                log.info("%s%s", f"[{stage_key}] " if stage_key else "", event.message)
+        return scheduler.status(build_id) in TERMINAL
+
+    return until
+
+
+def embedded_demo() -> None:
+    """Build SmolLM2-135M end to end in embedded mode and print the package path and stage times."""
+    from cluster.embedded import running_service
+    from cluster.packages import package_prefix
+    from cluster.service import build_summary, submit_build
+    from cluster.settings import Settings
+    from cluster.spec import parse_spec
+    from pipeline.assets import prepare_smollm2
+
+    configure_logging()
+    settings = Settings.from_env()
+    spec = parse_spec(demo_spec(prepare_smollm2(progress=log.info)))
+    started = time.perf_counter()
+    with running_service(settings) as scheduler:
+        build_id = submit_build(scheduler.sessions, spec, scheduler.registry)
+        log.info("build %s submitted", build_id)
+        with progress_bars() as on_progress:
+            scheduler.run(until=_follow(scheduler, build_id, on_progress), timeout=3600)
+        summary = build_summary(scheduler.sessions, build_id)
+        store = scheduler.store
+    _stage_table(summary)
+    if summary["status"] != "succeeded":
+        _fail(f"build {build_id} {summary['status']}: {summary['error']}")
+    prefix = package_prefix(spec.publish.name, spec.publish.version)
+    where = store.local_path(prefix) or f"{settings.store_url}/{prefix}"
+    console.print(f"package {spec.publish.name} {spec.publish.version}: {where}")
+    console.print(f"verify with public key {settings.public_key_b64()}")
+    console.print(f"build {build_id} took {time.perf_counter() - started:.1f} s ({summary['cache_hits']} stages from cache)")
+
+
+def _stage_table(summary: dict) -> None:
+    table = Table(title=f"build {summary['id']}: {summary['status']}")
+    for column in ("stage", "status", "from cache", "attempts", "wall s", "cpu s"):
+        table.add_column(column, justify="right")
+    for stage in summary["stages"]:
+        wall = sum(a["wall_seconds"] for a in stage["attempts"])
+        cpu = sum(a["cpu_seconds"] for a in stage["attempts"])
+        table.add_row(stage["key"], stage["status"], "yes" if stage["cache_hit"] else "no", str(len(stage["attempts"])),
+                      f"{wall:.1f}", f"{cpu:.1f}")
+    console.print(table)

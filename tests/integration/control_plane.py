@@ -1,0 +1,49 @@
+"""Helpers for control-plane tests: settings, test registries of tiny stages, specs, schedulers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cluster.registry import Registry, Resources, Shard, StageRegistration
+from cluster.scheduler import Scheduler
+from cluster.settings import Settings
+from cluster.spec import parse_spec
+
+FAST = dict(lease_seconds=3.0, retry_base_seconds=0.2, retry_max_seconds=1.0, poll_seconds=0.02)
+
+
+def make_settings(tmp_path: Path, database_url: str, store, **overrides) -> Settings:
+    settings = Settings(home=tmp_path / "home", database_url=database_url, store_url=store.url,
+                        store_endpoint=store.endpoint_url, store_access_key=store.access_key,
+                        store_secret_key=store.secret_key, **{**FAST, **overrides})
+    settings.ensure_signing_key()
+    return settings
+
+
+def chain_registry(function: str = "workers.testing:noop", resources: Resources = Resources(num_cpus=1),
+                   max_attempts: int = 3, fan_out: bool = False) -> Registry:
+    """first -> second (optionally fanned out per level) -> third, all running `function`."""
+    shards = (lambda spec, own: [Shard(str(m), {"level": m}) for m in spec.levels]) if fan_out else None
+    return Registry([
+        StageRegistration(name="first", function=function, outputs=("out",), resources=resources,
+                          max_attempts=max_attempts),
+        StageRegistration(name="second", function=function, inputs={"x": "first.out"}, outputs=("out",),
+                          resources=resources, max_attempts=max_attempts, fan_out=shards),
+        StageRegistration(name="third", function=function, inputs={"y": "second.out"}, outputs=("out",),
+                          resources=resources, max_attempts=max_attempts),
+    ])
+
+
+def spec_for(settings_by_stage: dict | None = None, cache: bool = True, levels=(1.0,), name="test"):
+    stages = {stage: {"settings": own} for stage, own in (settings_by_stage or {}).items()}
+    return parse_spec({"source": {"model": "unused"}, "levels": list(levels), "stages": stages, "cache": cache,
+                       "publish": {"name": name, "version": "1"}})
+
+
+def started(settings: Settings, registry: Registry) -> Scheduler:
+    return Scheduler(settings, registry).start()
+
+
+def journal_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
