@@ -183,7 +183,7 @@ def ray_cluster():
         yield address
     finally:
         ray.shutdown()
-        stop_group(process, timeout=20)
+        stop_group(process, timeout=5)
         shutil.rmtree(temp, ignore_errors=True)
 
 
