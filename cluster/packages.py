@@ -1,5 +1,9 @@
 """Registering a published package: files under packages/<name>/<version>/, then the package row.
 
+Store layout (what device_sdk.pull reads from a bucket):
+    packages/<name>/<version>/…      the package, manifest.json copied last
+    packages/<name>/aliases/<alias>  text: the version the alias points to
+
 Versions are immutable: publishing a name and version again is refused unless it is the very
 same manifest (an identical, cached resubmission). Aliases move. The package row (with its
 aliases, in one transaction) is written after every file is in place, so a reader that finds
@@ -23,6 +27,10 @@ class PublishRefused(ValueError):
 
 def package_prefix(name: str, version: str) -> str:
     return f"packages/{name}/{version}"
+
+
+def alias_key(name: str, alias: str) -> str:
+    return f"packages/{name}/aliases/{alias}"
 
 
 def register_package(ctx) -> None:
@@ -64,6 +72,10 @@ def register_package(ctx) -> None:
                               message=f"published {name} {version} at {prefix}; aliases {aliases}"))
     except IntegrityError:
         raise PublishRefused(f"{name} {version} was published concurrently by another build") from None
+    # Alias objects let devices resolve `latest` straight from the bucket (device_sdk.pull layout);
+    # they move only once the version they name is registered.
+    for alias in aliases:
+        ctx.store.put_bytes(alias_key(name, alias), version.encode())
 
 
 def _log(ctx, message: str) -> None:

@@ -55,6 +55,13 @@ class PublishSpec(Strict):
     version: str = Field(pattern=VERSION_PATTERN)
     aliases: list[str] = Field(default_factory=lambda: ["latest"])
 
+    @field_validator("version")
+    @classmethod
+    def _version(cls, version: str) -> str:
+        if version == "aliases":
+            raise ValueError("'aliases' is reserved (packages/<name>/aliases/ holds the aliases)")
+        return version
+
     @field_validator("aliases")
     @classmethod
     def _aliases(cls, aliases: list[str]) -> list[str]:
