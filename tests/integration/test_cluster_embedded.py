@@ -1,0 +1,48 @@
+"""Embedded mode: SQLite + local store + Ray, the built-in stages on a tiny model, one writer per SQLite file."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.embedded import running_service
+from cluster.scheduler import Scheduler, SchedulerLockError
+from cluster.service import build_summary, submit_build
+from cluster.settings import Settings
+from cluster.spec import parse_spec
+from device_sdk.package import verify_package
+from tests.tiny import save_tiny
+
+pytestmark = pytest.mark.integration
+
+
+def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_path, ray_cluster, calib_text):
+    model = save_tiny("llama_gqa", tmp_path / "tiny")
+    settings = Settings(home=tmp_path / "home", lease_seconds=5.0, poll_seconds=0.02)
+    assert not settings.signing_key_path.exists()
+    spec = parse_spec({
+        "source": {"model": str(model)},
+        "calibration": [str(calib_text)],
+        "levels": [0.5, 1.0],
+        "stages": {
+            "profile": {"settings": {"windows": 2, "window_length": 32}},
+            "elastify": {"settings": {"align": 8}},
+            "evaluate": {"settings": {"corpus": [str(calib_text)], "windows": 2, "window_length": 32}},
+        },
+        "publish": {"name": "tiny", "version": "0.1.0"},
+    })
+    with running_service(settings) as scheduler:
+        assert settings.signing_key_path.stat().st_mode & 0o777 == 0o600  # generated on first start
+        with pytest.raises(SchedulerLockError, match="another scheduler"):
+            Scheduler(settings, scheduler.registry).start()  # SQLite: a single writer
+        build_id = submit_build(scheduler.sessions, spec, scheduler.registry)
+        scheduler.run_until_done([build_id], timeout=300)
+        summary = build_summary(scheduler.sessions, build_id)
+    assert summary["status"] == "succeeded", summary
+    assert summary["package"] == {"name": "tiny", "version": "0.1.0", "uri": "packages/tiny/0.1.0"}
+    package_dir = settings.home / "store" / "packages" / "tiny" / "0.1.0"
+    manifest = verify_package(package_dir, settings.public_key_b64())
+    assert all(level.quality for level in manifest.elastic.levels)  # evaluate-light folded in
+    assert (settings.home / "store" / "packages" / "tiny" / "aliases" / "latest").read_text() == "0.1.0"
+    for stage in summary["stages"]:
+        (attempt,) = stage["attempts"]
+        assert attempt["wall_seconds"] > 0 and attempt["cpu_seconds"] > 0 and attempt["gpu_seconds"] == 0
