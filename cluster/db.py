@@ -14,11 +14,15 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
+def _ensure_sqlite_dir(url: str) -> None:
+    path = url.split("///", 1)[-1]
+    if is_sqlite(url) and path and path != ":memory:":
+        Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
 def make_engine(url: str) -> Engine:
     if is_sqlite(url):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        _ensure_sqlite_dir(url)
         engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")
@@ -52,5 +56,6 @@ def migrate(url: str) -> None:
 
     from alembic import command
 
+    _ensure_sqlite_dir(url)
     logging.getLogger("alembic").setLevel(logging.WARNING)  # its INFO lines are noise on every start
     command.upgrade(alembic_config(url), "head")

@@ -1,151 +1,38 @@
 """Real services for integration tests, started once per session: PostgreSQL, SeaweedFS (S3) and Ray.
 
-Nothing here is mocked. Each service binds 127.0.0.1 on free ports and lives in its own temp
-directory; teardown stops exactly the processes this file started.
+Nothing here is mocked; see tests/integration/services.py for how each one starts and stops.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 import uuid
-from pathlib import Path
 
 import pytest
 
-VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for_port(port: int, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(f"service exited with {process.returncode}: {log.read_text()[-2000:] if log else ''}")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
-
-
-def stop_group(process: subprocess.Popen, timeout: float = 15.0) -> None:
-    """Stop a service we started in its own session: SIGTERM, then SIGKILL, to its process group only."""
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-# --------------------------------------------------------------------------- PostgreSQL
-
-
-def _pg_bindir() -> str:
-    if shutil.which("pg_config"):
-        return subprocess.run(["pg_config", "--bindir"], capture_output=True, text=True, check=True).stdout.strip()
-    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if not candidates:
-        raise RuntimeError("PostgreSQL server binaries not found; `make services` installs them")
-    return str(candidates[-1].parent)
+from tests.integration import services
 
 
 @pytest.fixture(scope="session")
 def postgres_server():
-    """A throwaway PostgreSQL cluster (trust auth, 127.0.0.1, free port); yields its base URL."""
-    bindir = _pg_bindir()
-    root = Path(tempfile.mkdtemp(prefix="elastify-pg-"))
-    port = free_port()
-    as_postgres = ["su", "postgres", "-s", "/bin/sh", "-c"] if os.geteuid() == 0 else ["sh", "-c"]
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    data, log = root / "data", root / "log"
-    subprocess.run([*as_postgres, f"{bindir}/initdb -D {data} -U postgres --auth=trust -E UTF8 --no-sync"],
-                   check=True, capture_output=True)
-    options = f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-    subprocess.run([*as_postgres, f"{bindir}/pg_ctl -D {data} -l {log} -w -o '{options}' start"], check=True,
-                   capture_output=True)
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
-    finally:
-        subprocess.run([*as_postgres, f"{bindir}/pg_ctl -D {data} -m immediate -w stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+    with services.postgres() as url:
+        yield url
 
 
 @pytest.fixture
 def pg_url(postgres_server) -> str:
     """A fresh, migrated database on the session's PostgreSQL server."""
-    import psycopg
-
     from cluster.db import migrate
 
-    name = f"t_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(postgres_server.replace("postgresql+psycopg", "postgresql") + "/postgres", autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = f"{postgres_server}/{name}"
+    url = services.create_database(postgres_server, f"t_{uuid.uuid4().hex[:10]}")
     migrate(url)
     return url
 
 
-# --------------------------------------------------------------------------- SeaweedFS (S3)
-
-
 @pytest.fixture(scope="session")
 def seaweedfs():
-    """`weed mini` on loopback with its own ports; yields the S3 endpoint URL."""
-    root = Path(tempfile.mkdtemp(prefix="elastify-weed-"))
-    ports = {name: free_port() for name in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-        "s3.port", "admin.port", "admin.port.grpc", "debug.port",
-    )}
-    args = [str(VENV_BIN / "weed"), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
-    args += [f"-{name}={port}" for name, port in ports.items()]
-    (root / "data").mkdir()
-    log = root / "log"
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test"}
-    process = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        wait_for_port(ports["s3.port"], 60, process, log)
-        endpoint = f"http://127.0.0.1:{ports['s3.port']}"
-        _wait_s3_ready(endpoint)
+    with services.seaweedfs() as endpoint:
         yield endpoint
-    finally:
-        stop_group(process)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _wait_s3_ready(endpoint: str, timeout: float = 60) -> None:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
-                          region_name="us-east-1")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            client.create_bucket(Bucket="readiness")
-            client.put_object(Bucket="readiness", Key="probe", Body=b"ok")
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.3)
 
 
 @pytest.fixture
@@ -158,33 +45,11 @@ def s3_store(seaweedfs):
     return config
 
 
-# --------------------------------------------------------------------------- Ray
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
-    """A local Ray head (2 CPUs, 2 fake GPUs, no dashboard, auth off) that tests and subprocesses join."""
-    import ray
-
-    temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    args = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-            "--num-cpus=2", "--num-gpus=2", "--include-dashboard=false", "--disable-usage-stats",
-            f"--temp-dir={temp}", f"--dashboard-agent-listen-port={free_port()}",
-            f"--dashboard-agent-grpc-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
-            f"--metrics-export-port={free_port()}", f"--ray-client-server-port={free_port()}"]
-    log = temp / "start.log"
-    process = subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
-        wait_for_port(port, 60, process, log)
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    """A local Ray head with 2 CPUs and 2 fake GPUs that tests and scheduler subprocesses join."""
+    with services.ray_head(num_cpus=2, num_gpus=2) as address:
         yield address
-    finally:
-        ray.shutdown()
-        stop_group(process, timeout=5)
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

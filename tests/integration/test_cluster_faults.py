@@ -17,8 +17,8 @@ from cluster.registry import Registry, Resources, StageRegistration
 from cluster.service import build_summary, cancel_build, submit_build
 from cluster.spec import parse_spec
 from cluster.stages import builtin_registry
-from tests.integration.conftest import free_port
 from tests.integration.control_plane import chain_registry, journal_lines, make_settings, spec_for, started
+from tests.integration.services import free_port
 from workers.store import ArtifactRef, StoreConfig
 
 pytestmark = pytest.mark.integration
