@@ -1,27 +1,137 @@
-"""`elastify-device`: verify a package on this device."""
+"""`elastify-device`: pull, verify, profile, run and serve packages on this device."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from device_sdk.package import PackageError, verify_package
+
+
+def _slo(args):
+    from device_sdk.latency import SLO
+
+    if args.ttft_fraction or args.tpot_fraction:
+        return SLO.fraction(args.ttft_fraction, args.tpot_fraction)
+    if args.ttft_ms or args.tpot_ms:
+        return SLO(args.ttft_ms, args.tpot_ms)
+    return None
+
+
+def cmd_verify(args) -> int:
+    manifest = verify_package(args.package, args.public_key)
+    print(f"ok: {manifest.name} {manifest.version}, {len(manifest.files)} files verified")
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from device_sdk.pull import pull, read_local_state
+
+    path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
+                max_level=args.max_level, cache_dir=args.cache_dir)
+    state = read_local_state(path)
+    held = "every level" if state["max_level"] is None else f"levels <= {state['max_level']}"
+    print(f"ok: {args.name} {state['version']} ({held}, {state['bytes']:,} bytes) at {path}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from device_sdk.latency import measure_profile, profile_path
+    from device_sdk.runtime import ElasticModel
+
+    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    profile = measure_profile(model, prompt_lengths=tuple(args.prompt_lengths), decode_tokens=args.decode_tokens)
+    path = profile_path(model.package_dir, model.weight_format)
+    profile.save(path)
+    print(f"{'level':>6} {'TTFT base ms':>13} {'ms/prompt tok':>14} {'TPOT ms':>8}")
+    for name, entry in profile.levels.items():
+        print(f"{name:>6} {entry.ttft_base_ms:13.2f} {entry.ttft_per_token_ms:14.3f} {entry.tpot_ms:8.2f}")
+    print(f"saved {path}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from device_sdk.runtime import ElasticModel
+
+    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    stream = model.generate(args.prompt, slo=_slo(args), max_new_tokens=args.max_new_tokens, stream=True,
+                            level=args.level)
+    for piece in stream:
+        print(piece, end="", flush=True)
+    result = stream.result
+    tpot = "-" if result.tpot_ms is None else f"{result.tpot_ms:.1f}"
+    print(f"\n[level {result.level}, TTFT {result.ttft_ms:.1f} ms, TPOT {tpot} ms, slo_met={result.slo_met}]",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from device_sdk.runtime import ElasticModel
+    from device_sdk.serve import make_server
+
+    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    server = make_server(model, args.host, args.port, args.max_queue)
+    print(f"serving {model.manifest.name} {model.manifest.version} on http://{args.host}:{server.server_address[1]}"
+          "/v1/completions", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastify-device")
     sub = parser.add_subparsers(dest="command", required=True)
-    verify = sub.add_parser("verify", help="check every file's sha256 (and the signature with --public-key)")
-    verify.add_argument("package")
-    verify.add_argument("--public-key", help="base64 Ed25519 public key to pin")
+
+    def package_command(name: str, help: str, handler):
+        command = sub.add_parser(name, help=help)
+        command.add_argument("package", type=Path)
+        command.add_argument("--public-key", help="base64 Ed25519 public key to pin")
+        command.set_defaults(handler=handler)
+        return command
+
+    package_command("verify", "check every file's sha256 (and the signature with --public-key)", cmd_verify)
+
+    pull = sub.add_parser("pull", help="download, verify and install a package")
+    pull.add_argument("name")
+    pull.add_argument("version", help="a version or an alias such as latest")
+    pull.add_argument("--registry", required=True, help="directory, file:// or http(s):// bucket URL")
+    pull.add_argument("--public-key", required=True, help="the publisher's base64 Ed25519 public key")
+    pull.add_argument("--max-level", help="fetch only what levels up to this one need")
+    pull.add_argument("--cache-dir", type=Path)
+    pull.set_defaults(handler=cmd_pull)
+
+    for name, help, handler in (
+        ("profile", "measure this device's per-level TTFT and TPOT; saved beside the package", cmd_profile),
+        ("generate", "generate once, streaming to stdout", cmd_generate),
+        ("serve", "OpenAI-style /v1/completions with an slo field", cmd_serve),
+    ):
+        command = package_command(name, help, handler)
+        command.add_argument("--quantize", choices=("int8", "fp16"), help="weight format at load")
+    commands = sub.choices
+    commands["profile"].add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 256])
+    commands["profile"].add_argument("--decode-tokens", type=int, default=16)
+    generate = commands["generate"]
+    generate.add_argument("prompt")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--level", help="force a level instead of choosing by SLO")
+    for option in ("--ttft-ms", "--tpot-ms", "--ttft-fraction", "--tpot-fraction"):
+        generate.add_argument(option, type=float)
+    serve = commands["serve"]
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, default=4, help="waiting requests beyond which clients get 503")
+
     args = parser.parse_args(argv)
     try:
-        manifest = verify_package(args.package, args.public_key)
+        return args.handler(args)
     except PackageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"ok: {manifest.name} {manifest.version}, {len(manifest.files)} files verified")
-    return 0
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ class Generation:
     tpot_ms: float | None  # None when only one token was generated
     slo_met: bool
     prompt_tokens: int
+    finish_reason: str  # "stop" (end of sequence) or "length"
     decision: Decision = field(repr=False, default=None)
 
 
@@ -250,7 +251,8 @@ class ElasticModel:
         if slo is not None:
             target = slo.absolute(self.latency_profile, len(ids)) if slo.relative else slo
             met = target.met(ttft_ms, tpot_ms)
-        return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), decision)
+        finish = "stop" if tokens[-1] in self.eos_ids else "length"
+        return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)
 
 
 def _lora_key(name: str) -> str:

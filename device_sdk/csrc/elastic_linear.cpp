@@ -41,8 +41,14 @@ inline void to_float(const at::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-int threads_for(int64_t work_items) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work_items)));
+// Enough multiply-adds per thread that waking it pays off; small layers stay on one core
+// (an OpenMP barrier on a busy machine can cost a scheduler slice, far more than a
+// 1536x576 GEMV takes on one core).
+constexpr int64_t MACS_PER_THREAD = 1 << 22;
+
+int threads_for(int64_t work_items, int64_t macs) {
+  const int64_t useful = std::max<int64_t>(1, macs / MACS_PER_THREAD);
+  return static_cast<int>(std::max<int64_t>(1, std::min({static_cast<int64_t>(at::get_num_threads()), work_items, useful})));
 }
 
 // --- row units: each output is a dot product with one contiguous row of W
@@ -52,12 +58,22 @@ constexpr int64_t ROW_TILE = 8;  // weight rows dequantized together and reused 
 template <typename T>
 void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel num_threads(threads_for(tiles))
+#pragma omp parallel num_threads(threads_for(tiles, M * N * K))
   {
     std::vector<float> buffer(std::is_same<T, float>::value ? 0 : ROW_TILE * K);
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t n0 = tile * ROW_TILE, rows = std::min(ROW_TILE, N - n0);
+      if (M == 1) {  // decode: dequantize inside the dot product, each weight read once
+        for (int64_t j = 0; j < rows; ++j) {
+          const T* wj = w + (n0 + j) * K;
+          float acc = 0;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < K; ++k) acc += x[k] * static_cast<float>(wj[k]);
+          y[n0 + j] = scale != nullptr ? acc * scale[n0 + j] : acc;
+        }
+        continue;
+      }
       const float* wt;
       if constexpr (std::is_same<T, float>::value) {
         wt = w + n0 * K;
@@ -92,7 +108,7 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
           y[(m + 1) * N + n0 + j] = a1;
         }
       }
-      for (; m < M; ++m) {  // the GEMV of decode lands here
+      for (; m < M; ++m) {  // an odd last x row
         const float* xm = x + m * K;
         for (int64_t j = 0; j < rows; ++j) {
           const float* wj = wt + j * K;
@@ -111,28 +127,45 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
 
 // --- column units: each input row k of Wt adds x[m, k] · Wt[k, :] to a block of outputs
 
-template <int64_t MR, int64_t NB, typename T>
-void columns_block(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0) {
+// Decode: one x row, the weight read once straight from storage, NB outputs in registers.
+template <int64_t NB, typename T>
+void columns_gemv_block(const float* x, const T* w, float* y, int64_t N, int64_t K, int64_t n0) {
   const int64_t width = std::min(NB, N - n0);
-  float wk[NB];
+  float acc[NB] = {};
+  float wk[NB] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wrow;
+    if constexpr (std::is_same<T, float>::value) {
+      if (width == NB) {
+        wrow = w + k * N + n0;
+      } else {
+        to_float(w + k * N + n0, wk, width);
+        wrow = wk;
+      }
+    } else {
+      to_float(w + k * N + n0, wk, width);
+      wrow = wk;
+    }
+    const float xv = x[k];
+#pragma omp simd
+    for (int64_t j = 0; j < NB; ++j) acc[j] += xv * wrow[j];
+  }
+  std::copy(acc, acc + width, y + n0);
+}
+
+// Prefill: pack (and dequantize) the [K, NB] weight panel once, then sweep MR x rows at a
+// time over it with an MR x NB block of accumulators.
+template <int64_t MR, int64_t NB, typename T>
+void columns_gemm_block(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+                        std::vector<float>& panel) {
+  const int64_t width = std::min(NB, N - n0);
+  panel.assign(K * NB, 0.0f);
+  for (int64_t k = 0; k < K; ++k) to_float(w + k * N + n0, panel.data() + k * NB, width);
   for (int64_t m = 0; m < M; m += MR) {
     const int64_t rows = std::min(MR, M - m);
     float acc[MR][NB] = {};
     for (int64_t k = 0; k < K; ++k) {
-      const float* wrow;
-      if constexpr (std::is_same<T, float>::value) {
-        if (width == NB) {
-          wrow = w + k * N + n0;
-        } else {
-          std::fill(wk, wk + NB, 0.0f);
-          to_float(w + k * N + n0, wk, width);
-          wrow = wk;
-        }
-      } else {
-        if (width < NB) std::fill(wk, wk + NB, 0.0f);
-        to_float(w + k * N + n0, wk, width);
-        wrow = wk;
-      }
+      const float* wrow = panel.data() + k * NB;
       for (int64_t r = 0; r < MR; ++r) {
         const float xv = r < rows ? x[(m + r) * K + k] : 0.0f;
 #pragma omp simd
@@ -145,17 +178,19 @@ void columns_block(const float* x, const T* w, float* y, int64_t M, int64_t N, i
 
 template <typename T>
 void columns_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
-  // Decode reads each weight once: one x row and wide blocks. Prefill reuses a weight row
-  // for four x rows while it is in registers.
-  constexpr int64_t GEMV_BLOCK = 64, GEMM_BLOCK = 16;
+  constexpr int64_t GEMV_BLOCK = 64, GEMM_BLOCK = 16, GEMM_ROWS = 4;
   const int64_t block = M == 1 ? GEMV_BLOCK : GEMM_BLOCK;
   const int64_t blocks = (N + block - 1) / block;
-#pragma omp parallel for num_threads(threads_for(blocks)) schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) {
-    if (M == 1)
-      columns_block<1, GEMV_BLOCK>(x, w, y, M, N, K, b * block);
-    else
-      columns_block<4, GEMM_BLOCK>(x, w, y, M, N, K, b * block);
+#pragma omp parallel num_threads(threads_for(blocks, M * N * K))
+  {
+    std::vector<float> panel;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (M == 1)
+        columns_gemv_block<GEMV_BLOCK>(x, w, y, N, K, b * block);
+      else
+        columns_gemm_block<GEMM_ROWS, GEMM_BLOCK>(x, w, y, M, N, K, b * block, panel);
+    }
   }
   if (scale != nullptr)
     for (int64_t m = 0; m < M; ++m)

@@ -21,6 +21,7 @@ from device_sdk.package import (
 from tests.tiny import byte_tokenizer, tiny_model
 
 LEVELS = [0.25, 0.5, 0.75, 1.0]
+SMOLLM2_LEVELS = [0.25, 0.5, 1.0]
 
 
 def signing_key(seed: int = 7) -> Ed25519PrivateKey:
@@ -110,3 +111,4 @@ def publish(package_dir: Path, registry: Path, name: str = "tiny", version: str 
     alias_file.parent.mkdir(parents=True, exist_ok=True)
     alias_file.write_text(version)
     return target
+

@@ -1,0 +1,99 @@
+"""The native ElasticLinear kernel against torch, and int8 against fp32 on SmolLM2 per level."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from device_sdk import kernels
+from device_sdk.kernels import WEIGHT_FORMATS, make_linear, native_linear, reference_linear
+from device_sdk.runtime import ElasticModel
+
+needs_native = pytest.mark.skipif(kernels.native_module() is None, reason="no C++ compiler on this machine")
+
+
+@needs_native
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+@pytest.mark.parametrize("unit_axis", ["out", "in"])
+def test_sdk_native_kernel_matches_torch_at_every_width(weight_format, unit_axis):
+    generator = torch.Generator().manual_seed(0)
+    unit_size, units, other = 3, 23, 70  # odd sizes: every tile and block has a remainder
+    storage = torch.randn(units * unit_size, other, generator=generator)
+    bias = torch.randn(units * unit_size if unit_axis == "out" else other, generator=generator)
+    layer = make_linear(storage, bias, unit_axis=unit_axis, unit_size=unit_size, weight_format=weight_format)
+    assert layer.kernel is native_linear
+    pointer = layer.storage.data_ptr()
+    for width in range(units + 1):
+        layer.set_width(width)
+        for rows in (1, 2, 5, 17):  # decode GEMV and prefill GEMM shapes
+            x = torch.randn(rows, layer.in_features, generator=generator)
+            got, expected = native_linear(x, layer), reference_linear(x, layer)
+            assert got.shape == (rows, layer.out_features)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        if width:  # an empty view has no address
+            assert layer.active_weight.data_ptr() == pointer
+
+
+@needs_native
+def test_sdk_native_kernel_accepts_batched_input_and_checks_width():
+    layer = make_linear(torch.randn(8, 16), None, unit_axis="in", unit_size=2)
+    layer.set_width(3)
+    x = torch.randn(2, 4, 6)
+    torch.testing.assert_close(layer(x), x @ layer.storage[:6], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="features"):
+        layer(torch.randn(1, 8))
+
+
+@pytest.mark.parametrize("unit_axis", ["out", "in"])
+def test_sdk_int8_scales_are_per_output_channel(unit_axis):
+    storage = torch.randn(12, 10) * torch.linspace(0.1, 10, 10)  # channels of very different ranges
+    quantized, scales = kernels.quantize_int8(storage, unit_axis)
+    assert quantized.dtype == torch.int8
+    assert scales.shape == ((12,) if unit_axis == "out" else (10,))
+    restored = quantized.float() * (scales[:, None] if unit_axis == "out" else scales[None, :])
+    assert (restored - storage).abs().max() <= scales.max() / 2 + 1e-6
+
+
+def test_sdk_falls_back_to_torch_with_a_warning(monkeypatch):
+    monkeypatch.setenv("ELASTIFY_NATIVE", "0")
+    monkeypatch.setattr(kernels, "_native_tried", False)
+    monkeypatch.setattr(kernels, "_native_module", None)
+    with pytest.warns(UserWarning, match="torch fallback"):
+        plain = make_linear(torch.randn(8, 4), None, unit_axis="out", unit_size=2)
+    quantized = make_linear(torch.randn(8, 4), None, unit_axis="out", unit_size=2, weight_format="int8")
+    assert plain.kernel is None  # plain ElasticLinear.forward
+    assert quantized.kernel is reference_linear
+    x = torch.randn(3, 4)
+    dequantized = quantized.storage.float() * quantized.scales[:, None]
+    torch.testing.assert_close(quantized(x), x @ dequantized.T)
+
+
+# --------------------------------------------------------------------------- int8 accuracy on SmolLM2
+
+INT8_LOGIT_TOLERANCE = 0.5  # max |Δlogit| vs fp32 (logits span ~±30); measured ~0.1-0.2
+INT8_PPL_TOLERANCE = 0.02  # relative perplexity change on PTB
+
+
+def ptb_perplexity(model: ElasticModel, ids: torch.Tensor) -> float:
+    logits = model.logits(ids)
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:])
+    return math.exp(nll.item())
+
+
+@pytest.mark.slow
+def test_sdk_int8_close_to_fp32_per_level(smollm2_package):
+    import treebank
+
+    fp32 = ElasticModel.load(smollm2_package)
+    int8 = ElasticModel.load(smollm2_package, quantize="int8")
+    text = treebank.penn["valid"][:6000]
+    ids = torch.tensor([fp32.tokenizer.encode(text).ids[:512]])
+    for level in fp32.available_levels():
+        fp32.set_level(level)
+        int8.set_level(level)
+        reference, quantized = ptb_perplexity(fp32, ids), ptb_perplexity(int8, ids)
+        assert abs(quantized / reference - 1) <= INT8_PPL_TOLERANCE, (level, reference, quantized)
+        probe = ids[:, :64]
+        assert (fp32.logits(probe) - int8.logits(probe)).abs().max().item() <= INT8_LOGIT_TOLERANCE, level

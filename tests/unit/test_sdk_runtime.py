@@ -1,0 +1,139 @@
+"""The SDK's own forward pass: equal to HF at level 1.0 and to the pipeline's wrapper at every level."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_sdk.elastic import ElasticLinear
+from device_sdk.package import PackageError, read_manifest
+from device_sdk.runtime import ElasticModel
+from pipeline.elastic_model import ElasticCausalLM
+from tests.tiny import TINY_CONFIGS
+from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, signing_key, tiny_package
+
+KEY = signing_key()
+ROPE_VARIANTS = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+}
+
+
+def token_ids(vocab: int, length: int = 24, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def check_against_reference(hf_model, package, ids, native: bool = True, tolerance: float = 1e-4):
+    """HF at 1.0, then the wrapper at every level: max |Δlogit| in fp32 within `tolerance`."""
+    model = ElasticModel.load(package, public_key=public_bytes(KEY), native=native)
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+    assert model.level == model.available_levels()[-1]
+    assert (model.logits(ids) - expected).abs().max().item() <= tolerance
+    wrapper = ElasticCausalLM.from_package(package)
+    for level in model.available_levels():
+        model.set_level(level)
+        wrapper.set_level(level)
+        with torch.no_grad():
+            expected = wrapper(ids).logits
+        assert (model.logits(ids) - expected).abs().max().item() <= tolerance, level
+
+
+@pytest.mark.parametrize("kind", sorted(TINY_CONFIGS))
+def test_sdk_matches_hf_and_wrapper_tiny(kind, tmp_path):
+    hf_model, package = tiny_package(kind, tmp_path / "pkg", KEY)
+    check_against_reference(hf_model, package, token_ids(hf_model.config.vocab_size))
+
+
+@pytest.mark.parametrize("rope", sorted(ROPE_VARIANTS))
+def test_sdk_rope_scaling_matches_hf(rope, tmp_path):
+    # 40 positions > original_max_position_embeddings, so the llama3 bands all matter.
+    hf_model, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY, rope_parameters=dict(ROPE_VARIANTS[rope]))
+    assert read_manifest(package).architecture.rope["rope_type"] == rope
+    check_against_reference(hf_model, package, token_ids(256, length=40, batch=1))
+
+
+def test_sdk_kv_cache_decode_equals_full_forward(tmp_path):
+    hf_model, package = tiny_package("mistral", tmp_path / "pkg", KEY)
+    model = ElasticModel.load(package)
+    model.set_level("0.5")
+    ids = token_ids(256, length=12, batch=1)
+    with torch.no_grad():
+        full = model.logits(ids)
+        cache = model.transformer.new_cache(12)
+        steps = [model.transformer(ids[:, :8], cache)] + [model.transformer(ids[:, i : i + 1], cache) for i in range(8, 12)]
+    assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5)
+
+
+def test_sdk_switching_is_zero_copy(tmp_path):
+    _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
+    model = ElasticModel.load(package, quantize="int8")
+    linears = [m for m in model.transformer.modules() if isinstance(m, ElasticLinear)]
+    pointers = {id(m): m.storage.data_ptr() for m in linears}
+    manifest = read_manifest(package)
+    for level in model.available_levels():
+        model.set_level(level)
+        for m in linears:
+            assert m.storage.data_ptr() == pointers[id(m)]
+            if m.units:  # a view of the start of the storage (an empty view has no address)
+                assert m.active_weight.data_ptr() == pointers[id(m)]
+        block = model.transformer.layers[1]
+        assert block.mlp.neurons == manifest.elastic.level(level).mlp_units[1]
+    half = [max(1, n // 2) for n in manifest.elastic.mlp_units]
+    model.set_widths(manifest.elastic.attn_units, half)
+    assert model.level is None and model.transformer.layers[0].mlp.neurons == half[0]
+    assert all(m.storage.data_ptr() == pointers[id(m)] for m in linears)
+
+
+def test_sdk_level_lora_switches_with_level(tmp_path):
+    hf_model, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
+    add_recovery_adapters(package, KEY)
+    model = ElasticModel.load(package, public_key=public_bytes(KEY))
+    wrapper = ElasticCausalLM.from_package(package)
+    ids = token_ids(256)
+    for level in model.available_levels():
+        model.set_level(level)
+        wrapper.set_level(level)
+        lora = model.adapters[level]
+        # Reference: the wrapper with every projection's LoRA added by a forward hook.
+        hooks = []
+        for name, module in wrapper.hf.named_modules():
+            key = name.replace("self_attn.inner.", "self_attn.")
+            if isinstance(module, ElasticLinear) and key in lora:
+                a, b, scale = lora[key]
+                hooks.append(module.register_forward_hook(
+                    lambda mod, args, out, a=a, b=b, s=scale: out + (args[0] @ a.T) @ b.T * s))
+        assert len(hooks) == 7 * model.manifest.architecture.layers
+        with torch.no_grad():
+            expected = wrapper(ids).logits
+            for hook in hooks:
+                hook.remove()
+            plain = wrapper(ids).logits
+        got = model.logits(ids)
+        assert (got - expected).abs().max().item() <= 1e-4, level
+        assert (got - plain).abs().max().item() > 1e-3  # the adapter really changed the output
+        assert lora["model.layers.0.mlp.up_proj"][1].shape[0] == model.transformer.layers[0].mlp.neurons
+
+
+def test_sdk_partial_copy_refuses_larger_levels(tmp_path):
+    from device_sdk.package import atomic_write_bytes, canonical_json
+    from device_sdk.pull import LOCAL_STATE
+
+    _, package = tiny_package("llama_mha", tmp_path / "pkg", KEY)
+    atomic_write_bytes(package / LOCAL_STATE, canonical_json({"max_level": "0.5", "files": []}))
+    model = ElasticModel.load(package)
+    assert model.available_levels() == ["0.25", "0.5"] and model.level == "0.5"
+    with pytest.raises(PackageError, match="partial"):
+        model.set_level(1.0)
+    with pytest.raises(PackageError, match="partial"):
+        model.set_widths(read_manifest(package).elastic.attn_units, read_manifest(package).elastic.mlp_units)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_sdk_matches_hf_and_wrapper_smollm2(native, smollm2_package, smollm2):
+    # The native kernel sums in a different order than oneDNN; over 30 layers that moves
+    # logits of magnitude ~30 by up to ~2e-4, so it gets 5e-4 and the torch path 1e-4.
+    ids = token_ids(smollm2.model.config.vocab_size, length=32, batch=1)
+    check_against_reference(smollm2.model, smollm2_package, ids, native=native, tolerance=5e-4 if native else 1e-4)
