@@ -166,8 +166,8 @@ def reorder_state(
     for layer in range(arch.layers):
         a_order, m_order = attn_orders[layer], mlp_orders[layer]
 
-        def by_group(t: torch.Tensor, rows: int) -> torch.Tensor:
-            return t.reshape(arch.kv_heads, rows, *t.shape[1:])[a_order].reshape(t.shape)
+        def by_group(t: torch.Tensor, rows: int, order: torch.Tensor = a_order) -> torch.Tensor:
+            return t.reshape(arch.kv_heads, rows, *t.shape[1:])[order].reshape(t.shape)
 
         plan = {
             "q_proj": ("attn", q_rows, False),
@@ -203,22 +203,8 @@ def reorder_state(
 # --------------------------------------------------------------------------- the stage
 
 
-def elastify(
-    model,
-    tokenizer,
-    arch: Architecture,
-    importance: Importance,
-    settings: ElastifySettings,
-    out_dir: Path,
-    *,
-    name: str = "model",
-    version: str = "0.0.0",
-    source: dict | None = None,
-    build_id: str | None = None,
-    ctx: StageContext | None = None,
-    overwrite: bool = False,
-):
-    """Reorder `model`'s weights and write the v1 package to `out_dir` atomically."""
+def build_elastic(model, arch: Architecture, importance: Importance, settings: ElastifySettings):
+    """The package's tensors (unit-major, in the package dtype) and its `elastic` manifest section."""
     settings.validate()
     if len(importance.attn) != arch.layers:
         raise ElastifyError(f"importance covers {len(importance.attn)} layers, the model has {arch.layers}")
@@ -238,6 +224,26 @@ def elastify(
         tensors=layout,
         importance={**importance.meta, "order": settings.order, "anchor_fraction": settings.anchor_fraction},
     )
+    return tensors, elastic
+
+
+def elastify(
+    model,
+    tokenizer,
+    arch: Architecture,
+    importance: Importance,
+    settings: ElastifySettings,
+    out_dir: Path,
+    *,
+    name: str = "model",
+    version: str = "0.0.0",
+    source: dict | None = None,
+    build_id: str | None = None,
+    ctx: StageContext | None = None,
+    overwrite: bool = False,
+):
+    """Reorder `model`'s weights and write the v1 package to `out_dir` atomically."""
+    tensors, elastic = build_elastic(model, arch, importance, settings)
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     if ctx is not None:

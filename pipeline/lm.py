@@ -22,16 +22,21 @@ def nll_sum(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     Differentiable when grad is enabled; the LM head is recomputed per chunk in backward
     (checkpointing), so peak memory holds one chunk of logits, not B·T·vocab.
     """
-    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1]
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    return nll_from_hidden(model.lm_head, hidden, input_ids)
+
+
+def nll_from_hidden(lm_head, hidden: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed NLL given the final (normed) hidden states [B, T, H] of `input_ids`."""
+    hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
     targets = input_ids[:, 1:].reshape(-1)
     total = hidden.new_zeros(())
     for start in range(0, targets.numel(), LOGIT_CHUNK):
         h, y = hidden[start : start + LOGIT_CHUNK], targets[start : start + LOGIT_CHUNK]
         if torch.is_grad_enabled():
-            total = total + checkpoint(_chunk_nll, model.lm_head, h, y, use_reentrant=False)
+            total = total + checkpoint(_chunk_nll, lm_head, h, y, use_reentrant=False)
         else:
-            total = total + _chunk_nll(model.lm_head, h, y)
+            total = total + _chunk_nll(lm_head, h, y)
     return total, targets.numel()
 
 

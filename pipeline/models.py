@@ -97,8 +97,8 @@ def load_model(source: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
-    except (OSError, ValueError, RuntimeError, KeyError, json.JSONDecodeError) as err:
-        raise ModelLoadError(f"could not load weights from {path}: {err}") from None
+    except Exception as err:  # safetensors, torch and transformers each raise their own kinds
+        raise ModelLoadError(f"could not load weights from {path}: {type(err).__name__}: {err}") from None
     if type(model).__name__ != arch_name:
         raise ModelLoadError(f"{path} loaded as {type(model).__name__}, expected {arch_name}")
     if "gguf_file" in kwargs:

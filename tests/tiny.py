@@ -18,6 +18,7 @@ def tiny_model(kind: str, seed: int = 0, layers: int = 4):
     import transformers
 
     arch, extra = TINY_CONFIGS[kind]
+    extra = dict(extra)
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     config = config_cls(
         vocab_size=256,

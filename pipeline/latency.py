@@ -1,0 +1,238 @@
+"""Stage `latency`: the cost model of every level (DESIGN §5.7).
+
+Analytic part, per level, from the units it keeps:
+  * `flops_per_token`   = 2 · active parameters (every kept weight is one multiply-add);
+  * `attn_flops_per_pair` = 4 · kept query rows summed over layers (QKᵀ and AV per (query, key) pair);
+  * `weight_bytes`      = bytes of the kept weights, all read once per decode step;
+  * `kv_bytes_per_token` = bytes of the K and V rows a token adds to the cache.
+Calibration: prefill and decode are timed on the build host for the measured levels, and
+two host constants are fitted by least squares across all points:
+  TTFT(n) = ttft_overhead + prefill_flops(n) / flops_per_ms
+  TPOT    = tpot_overhead + weight_bytes / bytes_per_ms
+The manifest's `latency_profile` is then exactly `device_sdk.latency.LatencyProfile` (per level
+`ttft_base_ms`, `ttft_per_token_ms`, `tpot_ms`; TTFT(n) = base + per_token · n), so the SDK reads
+the same fields and replaces them with its own measurements. The quadratic attention term is
+folded into the per-token slope at `reference_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from device_sdk.latency import SLO, LatencyProfile, LevelLatency
+from device_sdk.package import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
+from pipeline.stage import StageContext
+
+
+class LatencyError(ValueError):
+    """Settings or measurements the cost model cannot use."""
+
+
+@dataclass
+class LatencySettings:
+    prompt_lengths: list[int] = field(default_factory=lambda: [32, 128])
+    decode_tokens: int = 8
+    repeats: int = 2
+    reference_tokens: int = 256  # where the attention term is linearised
+    measure_levels: list[str] | None = None  # None: every level
+    threads: int | None = None
+
+    def validate(self) -> None:
+        if not self.prompt_lengths or min(self.prompt_lengths) < 1:
+            raise LatencyError("prompt_lengths must be positive token counts")
+        if self.decode_tokens < 2 or self.repeats < 1:
+            raise LatencyError("decode_tokens must be >= 2 and repeats >= 1")
+
+
+@dataclass
+class LevelCost:
+    active_params: int
+    flops_per_token: float
+    attn_flops_per_pair: float
+    weight_bytes: float
+    kv_bytes_per_token: float
+
+    def prefill_flops(self, tokens: int) -> float:
+        # causal attention: token i attends to i keys, Σ i ≈ n² / 2
+        return self.flops_per_token * tokens + self.attn_flops_per_pair * tokens * tokens / 2
+
+
+def level_cost(manifest: Manifest, level: Level, element_size: int = 4) -> LevelCost:
+    arch = manifest.architecture
+    q_rows = sum(level.attn_units) * arch.n_rep * arch.head_dim
+    kv_rows = sum(level.attn_units) * arch.head_dim
+    return LevelCost(
+        active_params=level.active_params,
+        flops_per_token=2.0 * level.active_params,
+        attn_flops_per_pair=4.0 * q_rows,
+        weight_bytes=float(level.active_params * element_size),
+        kv_bytes_per_token=float(2 * kv_rows * element_size),
+    )
+
+
+def level_costs(manifest: Manifest, element_size: int = 4) -> dict[str, LevelCost]:
+    return {level.name: level_cost(manifest, level, element_size) for level in manifest.elastic.levels}
+
+
+# --------------------------------------------------------------------------- measuring on the build host
+
+
+def _best_ms(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, (time.perf_counter() - start) * 1000)
+    return best
+
+
+@torch.inference_mode()
+def measure_level(model, prompt_lengths: list[int], decode_tokens: int, repeats: int) -> tuple[dict[int, float], float]:
+    """({prompt length: TTFT ms}, TPOT ms) of the model's current level, HF forward with a KV cache."""
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    ttft = {}
+    for length in prompt_lengths:
+        ids = torch.randint(0, vocab, (1, length), generator=generator)
+        ttft[length] = _best_ms(lambda ids=ids: model(ids, use_cache=False, logits_to_keep=1), repeats)
+    out = model(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), use_cache=True,
+                logits_to_keep=1)
+    cache, token, steps = out.past_key_values, torch.zeros(1, 1, dtype=torch.long), []
+    for _ in range(decode_tokens):
+        start = time.perf_counter()
+        out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        steps.append((time.perf_counter() - start) * 1000)
+        cache = out.past_key_values
+    steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter: scheduler noise
+    return ttft, sum(steps) / len(steps)
+
+
+def measure_host(model, levels: list[str], settings: LatencySettings, ctx: StageContext) -> dict[str, dict]:
+    measured = {}
+    for name in ctx.track(levels, "latency: measure levels"):
+        model.set_level(name)
+        ttft, tpot = measure_level(model, settings.prompt_lengths, settings.decode_tokens, settings.repeats)
+        measured[name] = {"ttft_ms": {str(n): ms for n, ms in ttft.items()}, "tpot_ms": tpot}
+    return measured
+
+
+# --------------------------------------------------------------------------- fitting
+
+
+def _fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) with both kept non-negative (time never runs backwards)."""
+    x, y = torch.tensor(xs, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    if len(set(xs)) < 2:
+        return 0.0, float((y / x).mean())
+    design = torch.stack([torch.ones_like(x), x], 1)
+    intercept, slope = torch.linalg.lstsq(design, y[:, None]).solution[:, 0].tolist()
+    if slope <= 0:
+        return float(y.mean()), 0.0
+    if intercept < 0:
+        return 0.0, float((x * y).sum() / (x * x).sum())
+    return intercept, slope
+
+
+def fit_host(costs: dict[str, LevelCost], measured: dict[str, dict]) -> dict[str, float]:
+    """Host constants: TTFT overhead and ms per FLOP; TPOT overhead and ms per weight byte."""
+    flops, ttfts, weight_bytes, tpots = [], [], [], []
+    for name, point in measured.items():
+        for length, ms in point["ttft_ms"].items():
+            flops.append(costs[name].prefill_flops(int(length)))
+            ttfts.append(ms)
+        weight_bytes.append(costs[name].weight_bytes)
+        tpots.append(point["tpot_ms"])
+    ttft_overhead, ms_per_flop = _fit_line(flops, ttfts)
+    tpot_overhead, ms_per_byte = _fit_line(weight_bytes, tpots)
+    return {"ttft_overhead_ms": ttft_overhead, "ms_per_flop": ms_per_flop,
+            "tpot_overhead_ms": tpot_overhead, "ms_per_byte": ms_per_byte}
+
+
+def predicted_profile(costs: dict[str, LevelCost], host: dict[str, float], reference_tokens: int,
+                      weight_format: str = "fp32", threads: int | None = None, estimated: bool = False) -> LatencyProfile:
+    levels = {}
+    for name, cost in costs.items():
+        per_token_flops = cost.flops_per_token + cost.attn_flops_per_pair * reference_tokens / 2
+        levels[name] = LevelLatency(
+            ttft_base_ms=host["ttft_overhead_ms"],
+            ttft_per_token_ms=per_token_flops * host["ms_per_flop"],
+            tpot_ms=host["tpot_overhead_ms"] + cost.weight_bytes * host["ms_per_byte"],
+        )
+    return LatencyProfile(weight_format, threads or torch.get_num_threads(), levels,
+                          device=f"build-host:{platform.machine()}", estimated=estimated)
+
+
+def latency_profile_dict(profile: LatencyProfile) -> dict:
+    """The manifest's `latency_profile`: `LatencyProfile`'s fields, nothing else (the SDK loads it as is)."""
+    return asdict(profile)
+
+
+def profile_from_manifest(manifest: Manifest) -> LatencyProfile:
+    if not manifest.latency_profile:
+        raise LatencyError("the package has no latency_profile; run the latency stage first")
+    data = dict(manifest.latency_profile)
+    data["levels"] = {name: LevelLatency(**entry) for name, entry in data["levels"].items()}
+    return LatencyProfile(**data)
+
+
+# --------------------------------------------------------------------------- feasibility (used by label, bench)
+
+
+def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
+    """Whether level `level` on the `prompt_ratio`-compressed prompt meets `slo` (fractions of the full model)."""
+    target = slo.absolute(profile, prompt_tokens)
+    kept = max(1, round(prompt_ratio * prompt_tokens))
+    return target.met(profile.ttft_ms(level, kept), profile.tpot_ms(level))
+
+
+def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int) -> float:
+    """A scalar for 'lighter': predicted TTFT plus one TPOT."""
+    kept = max(1, round(prompt_ratio * prompt_tokens))
+    return profile.ttft_ms(level, kept) + profile.tpot_ms(level)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def build_cost_model(package_dir: Path, settings: LatencySettings, ctx: StageContext) -> dict:
+    from pipeline.elastic_model import ElasticCausalLM
+
+    settings.validate()
+    manifest = read_manifest(package_dir)
+    model = ElasticCausalLM.from_package(package_dir, manifest)
+    element_size = next(model.hf.parameters()).element_size()
+    costs = level_costs(manifest, element_size)
+    names = settings.measure_levels or list(costs)
+    previous_threads = torch.get_num_threads()
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        measured = measure_host(model, names, settings, ctx)
+    finally:
+        torch.set_num_threads(previous_threads)
+    host = fit_host(costs, measured)
+    fmt = {1: "int8", 2: "fp16", 4: "fp32"}.get(element_size, "fp32")
+    profile = predicted_profile(costs, host, settings.reference_tokens, fmt, settings.threads,
+                                estimated=set(names) != set(costs))
+    return {"costs": {k: asdict(v) for k, v in costs.items()}, "measured": measured, "host": host,
+            "latency_profile": latency_profile_dict(profile)}
+
+
+def apply_latency(package_dir: Path, report: dict) -> None:
+    manifest = read_manifest(package_dir)
+    manifest.latency_profile = report["latency_profile"]
+    rewrite_manifest(package_dir, manifest)
+
+
+def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage entry: inputs {"package": dir} -> {"latency": latency.json}; `apply_latency` puts it in a manifest."""
+    report = build_cost_model(Path(inputs["package"]), LatencySettings(**settings), ctx)
+    out = ctx.work_dir / "latency.json"
+    atomic_write_bytes(out, json.dumps(report, indent=2).encode())
+    return {"latency": out}

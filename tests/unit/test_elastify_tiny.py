@@ -1,0 +1,187 @@
+"""Profile → reorder → elastic wrapper on tiny random Llama MHA/GQA, Mistral and Qwen2-with-bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_sdk.elastic import ElasticLinear
+from pipeline.elastic_model import ElasticCausalLM
+from pipeline.elastify import ElastifyError, ElastifySettings, choose_anchors, elastify, kept_units, level_table
+from pipeline.models import describe_architecture
+from pipeline.profile import ProfileSettings, profile
+from pipeline.stage import quiet_context
+from tests.reference import elastic_in_memory, sliced_dense_copy
+from tests.tiny import TINY_CONFIGS, byte_tokenizer, tiny_model
+
+FAMILIES = list(TINY_CONFIGS)
+SETTINGS = ElastifySettings(levels=[0.2, 0.4, 0.5, 0.7, 1.0], anchor_fraction=0.25, align=8)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def profiled(request, tmp_path_factory):
+    calib = tmp_path_factory.mktemp("calib") / "calib.txt"
+    import treebank
+
+    calib.write_text(treebank.penn["valid"][:20000])
+    model = tiny_model(request.param)
+    arch = describe_architecture(model.config)
+    settings = ProfileSettings(calibration=[str(calib)], windows=4, window_length=32, layer_windows=2)
+    importance = profile(model, byte_tokenizer(), arch, settings, quiet_context())
+    return request.param, model, arch, importance
+
+
+def test_level_one_reproduces_the_source_logits(profiled):
+    _, model, arch, importance = profiled
+    elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    elastic.set_level(1.0)
+    ids = torch.randint(0, arch.vocab, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        error = (elastic(ids).logits - model(ids).logits).abs().max().item()
+    assert error <= 1e-4
+
+
+def test_every_level_equals_a_dense_model_of_sliced_copies(profiled):
+    _, model, arch, importance = profiled
+    elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    ids = torch.randint(0, arch.vocab, (2, 24), generator=torch.Generator().manual_seed(2))
+    for level in elastic.elastic.levels:
+        elastic.set_level(level.name)
+        dense = sliced_dense_copy(model, arch, importance, SETTINGS, level.attn_units, level.mlp_units)
+        with torch.no_grad():
+            error = (elastic(ids).logits - dense(ids).logits).abs().max().item()
+        assert error <= 1e-5, f"level {level.name}: max abs error {error}"
+
+
+def test_every_level_is_a_legal_gqa_shape(profiled):
+    _, model, arch, importance = profiled
+    elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    for level in elastic.elastic.levels:
+        elastic.set_level(level.name)
+        for groups, layer in zip(level.attn_units, elastic.hf.model.layers, strict=True):
+            attn = layer.self_attn.inner
+            assert 1 <= groups <= arch.kv_heads
+            assert attn.q_proj.out_features == groups * arch.n_rep * arch.head_dim
+            assert attn.k_proj.out_features == attn.v_proj.out_features == groups * arch.head_dim
+            assert attn.o_proj.in_features == attn.q_proj.out_features
+
+
+def test_level_switches_copy_no_weight_data(profiled):
+    _, model, arch, importance = profiled
+    elastic, tensors = elastic_in_memory(model, arch, importance, SETTINGS)
+    storage_ptrs = {t.data_ptr() for t in tensors.values()}
+    linears = elastic.elastic_linears()
+    assert len(linears) == 7 * arch.layers
+    for level in ["0.2", "1.0", "0.5", "0.4", "0.7"]:
+        elastic.set_level(level)
+        for linear in linears:
+            assert linear.active_weight.data_ptr() == linear.storage.data_ptr()
+            assert linear.storage.data_ptr() in storage_ptrs
+
+
+def test_width_zero_skips_the_sublayer(profiled):
+    _, model, arch, importance = profiled
+    elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    attn = [arch.kv_heads] * arch.layers
+    mlp = [arch.intermediate] * arch.layers
+    attn[1], mlp[2] = 0, 0
+    elastic.set_widths(attn, mlp)
+    dense = sliced_dense_copy(model, arch, importance, SETTINGS, attn, mlp)
+    ids = torch.randint(0, arch.vocab, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (elastic(ids).logits - dense(ids).logits).abs().max().item() <= 1e-5
+        elastic.set_widths([arch.kv_heads] * arch.layers, [arch.intermediate] * arch.layers)
+        assert (elastic(ids).logits - dense(ids).logits).abs().max().item() > 1e-3
+
+
+def test_package_round_trip_loads_the_same_model(profiled, tmp_path):
+    _, model, arch, importance = profiled
+    out = tmp_path / "pkg"
+    manifest = elastify(model, byte_tokenizer(), arch, importance, SETTINGS, out)
+    loaded = ElasticCausalLM.from_package(out)
+    in_memory, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    ids = torch.randint(0, arch.vocab, (1, 16), generator=torch.Generator().manual_seed(4))
+    for level in manifest.elastic.levels:
+        loaded.set_level(level.name)
+        in_memory.set_level(level.name)
+        with torch.no_grad():
+            assert torch.allclose(loaded(ids).logits, in_memory(ids).logits, atol=1e-6)
+    assert all(isinstance(m, ElasticLinear) for m in loaded.elastic_linears())
+
+
+def test_vectorize_and_block_influence_options(profiled, calib_text):
+    kind, _, _, _ = profiled
+    model = tiny_model(kind)
+    arch = describe_architecture(model.config)
+    settings = ProfileSettings(
+        calibration=[str(calib_text)], windows=2, window_length=32, taylor="vectorize", layer_method="block_influence"
+    )
+    result = profile(model, byte_tokenizer(), arch, settings, quiet_context())
+    assert len(result.layers) == arch.layers and bool((result.layers > 0).all())
+    assert all(s.shape == (arch.kv_heads,) and bool((s >= 0).all()) for s in result.attn)
+    assert all(s.shape == (arch.intermediate,) and bool((s >= 0).all()) for s in result.mlp)
+
+
+def test_taylor_scores_equal_a_full_gradient_computation(calib_text):
+    """The hook-and-free reduction gives exactly Σ|w·g| from a plain full backward."""
+    from pipeline.calibration import make_windows
+    from pipeline.lm import nll_sum
+    from pipeline.profile import unit_importance
+
+    model = tiny_model("qwen2_bias")
+    arch = describe_architecture(model.config)
+    windows = make_windows(byte_tokenizer(), [str(calib_text)], 3, 32, seed=0)
+    attn, mlp, _ = unit_importance(model, arch, windows, "param_first")
+    loss, count = nll_sum(model, windows)
+    (loss / count).backward()
+    layer = model.model.layers[1]
+    g = layer.mlp
+    expected_mlp = (
+        (g.gate_proj.weight * g.gate_proj.weight.grad).abs().sum(1)
+        + (g.up_proj.weight * g.up_proj.weight.grad).abs().sum(1)
+        + (g.down_proj.weight * g.down_proj.weight.grad).abs().sum(0)
+    )
+    torch.testing.assert_close(mlp[1], expected_mlp, rtol=1e-4, atol=1e-7)
+    a = layer.self_attn
+    q_rows = arch.n_rep * arch.head_dim
+
+    def rows(p, group_rows):
+        return (p * p.grad).abs().reshape(p.shape[0], -1).sum(1).reshape(arch.kv_heads, group_rows).sum(1)
+
+    expected_attn = (
+        rows(a.q_proj.weight, q_rows) + rows(a.q_proj.bias, q_rows)
+        + rows(a.k_proj.weight, arch.head_dim) + rows(a.k_proj.bias, arch.head_dim)
+        + rows(a.v_proj.weight, arch.head_dim) + rows(a.v_proj.bias, arch.head_dim)
+        + (a.o_proj.weight * a.o_proj.weight.grad).abs().sum(0).reshape(arch.kv_heads, q_rows).sum(1)
+    )
+    torch.testing.assert_close(attn[1], expected_attn, rtol=1e-4, atol=1e-7)
+
+
+def test_level_table_rules():
+    model = tiny_model("llama_gqa", layers=4)
+    arch = describe_architecture(model.config)
+    anchors = choose_anchors(torch.tensor([0.1, 0.9, 0.3, 0.5]), 0.25)
+    assert anchors == [1]
+    levels = level_table(arch, anchors, ElastifySettings(levels=[0.2, 0.5, 0.8, 1.0], align=8))
+    for level in levels:
+        assert level.attn_units[1] == arch.kv_heads and level.mlp_units[1] == arch.intermediate
+        assert all(m % 8 == 0 and m >= 8 for m in level.mlp_units)
+        assert all(a >= 1 for a in level.attn_units)
+    assert [lv.active_fraction for lv in levels] == sorted(lv.active_fraction for lv in levels)
+    assert levels[-1].active_fraction == 1.0
+    assert kept_units(1536, 0.5, 1, 32) == 768 and kept_units(3, 0.5, 1) == 2 and kept_units(96, 0.0, 1, 32) == 32
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(levels=[0.0, 1.0]), "(0, 1]"),
+        (dict(levels=[0.5, 1.2]), "(0, 1]"),
+        (dict(levels=[0.5, 0.4, 1.0]), "increasing"),
+        (dict(anchor_fraction=1.0), "anchor_fraction"),
+        (dict(order="alphabetical"), "order"),
+    ],
+)
+def test_bad_settings_are_refused(settings, message):
+    with pytest.raises(ElastifyError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        ElastifySettings(**settings).validate()

@@ -1,0 +1,55 @@
+"""The import direction api → cluster → workers → pipeline → device_sdk, checked on the source."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ["api", "cluster", "workers", "pipeline", "device_sdk"]  # each may import only those after it
+DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography"}
+
+
+def imported_roots(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+def sources(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if ".venv" not in p.parts)
+
+
+@pytest.mark.parametrize("package", LAYERS)
+def test_imports_point_one_way(package):
+    forbidden = set(LAYERS[: LAYERS.index(package)])
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_roots(path) & forbidden)
+        for path in sources(package)
+        if imported_roots(path) & forbidden
+    }
+    assert not offenders, f"{package} imports against the direction {' → '.join(LAYERS)}: {offenders}"
+
+
+def test_device_sdk_stands_alone():
+    allowed = DEVICE_SDK_THIRD_PARTY | set(sys.stdlib_module_names) | {"device_sdk", "__future__"}
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_roots(path) - allowed)
+        for path in sources("device_sdk")
+        if imported_roots(path) - allowed
+    }
+    assert not offenders, f"device_sdk may depend only on {sorted(DEVICE_SDK_THIRD_PARTY)}: {offenders}"
+
+
+def test_checker_catches_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import api.cli\nfrom cluster import store\n")
+    assert imported_roots(bad) & set(LAYERS[:3]) == {"api", "cluster"}

@@ -1,0 +1,203 @@
+"""pull(): resolve, download (whole, resumed, or up to a level), verify, install atomically."""
+
+from __future__ import annotations
+
+import json
+import threading
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from device_sdk import pull as pull_module
+from device_sdk.package import MANIFEST, WEIGHTS, PackageError, canonical_json
+from device_sdk.pull import pull, read_local_state
+from device_sdk.runtime import ElasticModel
+from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, signing_key, tiny_package
+
+KEY = signing_key()
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory) -> Path:
+    """A registry directory holding one tiny package (with per-level adapters) as tiny 1.0.0 / latest."""
+    root = tmp_path_factory.mktemp("registry")
+    _, package = tiny_package("qwen2_bias", root.parent / "built", KEY)
+    add_recovery_adapters(package, KEY)
+    publish(package, root)
+    return root
+
+
+@pytest.fixture
+def bad_registry(registry, tmp_path) -> Path:
+    """A private copy of the registry that a test may corrupt."""
+    import shutil
+
+    copy = tmp_path / "bad-registry"
+    shutil.copytree(registry, copy)
+    return copy
+
+
+class RangeHandler(SimpleHTTPRequestHandler):
+    """Static files with single-range GETs; can cut one response short to simulate a dropped link."""
+
+    cut_after: dict[str, int] = {}  # path -> bytes to send before closing, once
+    seen_ranges: list[tuple[str, str | None]] = []
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        path = Path(self.translate_path(self.path))
+        if not path.is_file():
+            self.send_error(404)
+            return
+        data = path.read_bytes()
+        header = self.headers.get("Range")
+        self.seen_ranges.append((self.path, header))
+        start, end = 0, len(data)
+        if header:
+            first, last = header.removeprefix("bytes=").split("-")
+            start, end = int(first), min(len(data), int(last) + 1)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        body = data[start:end]
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        cut = self.cut_after.pop(self.path, None)
+        self.wfile.write(body if cut is None else body[:cut])
+        if cut is not None:
+            self.close_connection = True
+
+
+@pytest.fixture
+def http_registry(registry):
+    RangeHandler.cut_after, RangeHandler.seen_ranges = {}, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), partial(RangeHandler, directory=str(registry)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def nothing_installed(cache: Path) -> bool:
+    return not any(p.is_file() for p in cache.rglob("*")) if cache.exists() else True
+
+
+def test_sdk_pull_from_directory_and_alias(registry, tmp_path):
+    cache = tmp_path / "cache"
+    path = pull("tiny", "latest", registry=registry, public_key=public_bytes(KEY), cache_dir=cache)
+    assert path == cache / "tiny" / "1.0.0"
+    assert read_local_state(path)["max_level"] is None
+    again = pull("tiny", "1.0.0", registry=f"file://{registry}", public_key=public_bytes(KEY), cache_dir=cache)
+    assert again == path
+    model = ElasticModel.load(path, public_key=public_bytes(KEY))
+    assert model.available_levels() == ["0.25", "0.5", "0.75", "1.0"] and set(model.adapters) == set(
+        model.available_levels()
+    )
+
+
+def test_sdk_pull_over_http_in_parallel(http_registry, registry, tmp_path):
+    path = pull("tiny", "latest", registry=http_registry, public_key=public_bytes(KEY), cache_dir=tmp_path, workers=4)
+    for entry in json.loads((registry / "packages/tiny/1.0.0" / MANIFEST).read_text())["files"]:
+        assert (path / entry["path"]).stat().st_size == entry["size"]
+    fetched = {p for p, _ in RangeHandler.seen_ranges}
+    assert "/packages/tiny/1.0.0/model/weights.safetensors" in fetched
+
+
+def test_sdk_interrupted_download_resumes_with_range(http_registry, tmp_path, monkeypatch):
+    monkeypatch.setattr(pull_module, "CHUNK", 4096)  # small blocks, so progress is recorded often
+    monkeypatch.setattr(pull_module, "ATTEMPTS", 1)
+    weights = f"/packages/tiny/1.0.0/{WEIGHTS}"
+    RangeHandler.cut_after[weights] = 50_000
+    with pytest.raises(ConnectionError, match="pull again to resume"):
+        pull("tiny", "1.0.0", registry=http_registry, public_key=public_bytes(KEY), cache_dir=tmp_path)
+    assert not (tmp_path / "tiny" / "1.0.0").exists()  # nothing half-downloaded is loadable
+    path = pull("tiny", "1.0.0", registry=http_registry, public_key=public_bytes(KEY), cache_dir=tmp_path)
+    resumed = [r for p, r in RangeHandler.seen_ranges if p == weights][-1]
+    assert resumed.startswith("bytes=") and int(resumed[6:].split("-")[0]) >= 45_000  # not from zero
+    ElasticModel.load(path, public_key=public_bytes(KEY), verify=True)
+
+
+def corrupt_weights_byte(root: Path) -> None:
+    path = root / "packages/tiny/1.0.0" / WEIGHTS
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def edit_manifest(root: Path) -> None:
+    path = root / "packages/tiny/1.0.0" / MANIFEST
+    data = json.loads(path.read_text())
+    data["elastic"]["levels"][0]["active_fraction"] = 0.99
+    path.write_bytes(canonical_json(data))
+
+
+def truncate_weights(root: Path) -> None:
+    path = root / "packages/tiny/1.0.0" / WEIGHTS
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+def bump_format_version(root: Path) -> None:
+    path = root / "packages/tiny/1.0.0" / MANIFEST
+    data = json.loads(path.read_text())
+    data["format_version"] = 2
+    path.write_bytes(canonical_json(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (corrupt_weights_byte, "does not match its sha256"),
+        (edit_manifest, "signature does not verify"),
+        (truncate_weights, "truncated"),
+        (bump_format_version, "format_version is 2"),
+    ],
+)
+def test_sdk_bad_package_is_refused_and_deleted(damage, message, bad_registry, tmp_path):
+    damage(bad_registry)
+    cache = tmp_path / "cache"
+    with pytest.raises(PackageError, match=message):
+        pull("tiny", "1.0.0", registry=bad_registry, public_key=public_bytes(KEY), cache_dir=cache)
+    assert nothing_installed(cache)
+
+
+def test_sdk_wrong_key_is_refused_before_download(registry, tmp_path):
+    other = Ed25519PrivateKey.generate()
+    with pytest.raises(PackageError, match="signature does not verify"):
+        pull("tiny", "1.0.0", registry=registry, public_key=public_bytes(other), cache_dir=tmp_path)
+    assert nothing_installed(tmp_path)
+    with pytest.raises(PackageError, match="pinned public key"):
+        pull("tiny", "1.0.0", registry=registry, public_key=None, cache_dir=tmp_path)
+    with pytest.raises(PackageError, match="no version or alias"):
+        pull("tiny", "9.9.9", registry=registry, public_key=public_bytes(KEY), cache_dir=tmp_path)
+
+
+def test_sdk_partial_pull_fetches_only_the_needed_bytes(http_registry, registry, tmp_path):
+    key = public_bytes(KEY)
+    partial_path = pull("tiny", "1.0.0", registry=http_registry, public_key=key, max_level=0.5, cache_dir=tmp_path / "a")
+    state = read_local_state(partial_path)
+    full_path = pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path / "b")
+    full_bytes = read_local_state(full_path)["bytes"]
+    assert state["max_level"] == "0.5" and state["bytes"] < 0.8 * full_bytes
+    assert "adapters/recovery/1.0.safetensors" not in state["files"]
+    assert not (partial_path / "adapters/recovery/1.0.safetensors").exists()
+
+    partial_model = ElasticModel.load(partial_path, public_key=key, verify=True)
+    full_model = ElasticModel.load(full_path, public_key=key)
+    assert partial_model.level == "0.5"
+    full_model.set_level("0.5")
+    ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(partial_model.logits(ids), full_model.logits(ids), rtol=0, atol=0)
+    with pytest.raises(PackageError, match="partial copy"):
+        partial_model.set_level("0.75")
+
+    # Asking for more later upgrades the copy in place.
+    upgraded = pull("tiny", "1.0.0", registry=http_registry, public_key=key, cache_dir=tmp_path / "a")
+    assert upgraded == partial_path and read_local_state(upgraded)["max_level"] is None
