@@ -200,4 +200,6 @@ def completion_body(ident: str, model_name: str, text: str, result) -> dict:
 def make_server(model, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 4, model_name: str | None = None):
     """A ready ThreadingHTTPServer (call serve_forever); port 0 picks a free one."""
     service = CompletionService(model, model_name or model.manifest.name, max_queue)
-    return ThreadingHTTPServer((host, port), make_handler(service))
+    server = ThreadingHTTPServer((host, port), make_handler(service))
+    server.service = service
+    return server

@@ -1,0 +1,176 @@
+"""generate() under SLOs, the latency profile CLI, and the local completion service."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from device_sdk.cli import main as device_cli
+from device_sdk.latency import SLO, Decision, LatencyProfile, LevelLatency, profile_path
+from device_sdk.runtime import ElasticModel
+from device_sdk.serve import make_server, parse_slo
+from tests.unit.sdk_packages import signing_key, tiny_package
+
+KEY = signing_key()
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    _, path = tiny_package("llama_gqa", tmp_path_factory.mktemp("generate") / "pkg", KEY)
+    return path
+
+
+@pytest.fixture
+def model(package) -> ElasticModel:
+    model = ElasticModel.load(package)
+    # A fixed profile: decisions must not depend on how busy the test machine is.
+    model.latency_profile = LatencyProfile(
+        "fp32",
+        1,
+        {name: LevelLatency(10.0 * (i + 1), 0.1 * (i + 1), 1.0 * (i + 1)) for i, name in enumerate(model.available_levels())},
+    )
+    return model
+
+
+def test_sdk_slo_picks_the_largest_feasible_level(model):
+    assert model.available_levels() == ["0.25", "0.5", "0.75", "1.0"]
+    out = model.generate("hello", slo=SLO(tpot_ms=2.5), max_new_tokens=3, level=None)
+    assert out.decision.level == "0.5" and out.level == "0.5" and out.decision.feasible
+    assert model.generate("hello", slo=SLO.fraction(tpot=0.8), max_new_tokens=2).level == "0.75"  # 0.8 x 4 ms
+    # TTFT grows with the prompt: 40 prompt tokens add 0.1 ms per token and level.
+    assert model.generate("x" * 40, slo=SLO(ttft_ms=25), max_new_tokens=1).level == "0.25"
+    relaxed = model.generate("hello", slo=SLO(ttft_ms=1e6, tpot_ms=1e6), max_new_tokens=3)
+    assert relaxed.level == "1.0" and relaxed.slo_met
+
+
+def test_sdk_impossible_slo_is_best_effort(model):
+    out = model.generate("hello", slo=SLO(ttft_ms=1e-6, tpot_ms=1e-6), max_new_tokens=4)
+    assert out.level == "0.25" and not out.decision.feasible
+    assert out.slo_met is False
+    assert 1 <= len(out.tokens) <= 4 and out.ttft_ms > 0
+
+
+def test_sdk_stream_yields_the_text(model):
+    stream = model.generate("abc", max_new_tokens=6, stream=True)
+    pieces = list(stream)
+    result = stream.result
+    assert "".join(pieces) == result.text and len(result.tokens) == 6
+    assert result.level == "1.0" and result.tpot_ms is not None and result.finish_reason == "length"
+
+
+def test_sdk_decision_hook_replaces_the_profile_rule(model):
+    """The TLM issue plugs in here: a decider picks (level, prompt ratio), a compressor applies the ratio."""
+    seen = {}
+
+    def tlm_decide(prompt, prompt_tokens, slo, profile, levels):
+        seen["args"] = (prompt, prompt_tokens, slo)
+        return Decision("0.5", prompt_ratio=0.5)
+
+    model.decide = tlm_decide
+    model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
+    assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100))
+    assert out.level == "0.5" and out.prompt_tokens == 4
+
+
+def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
+    assert device_cli(["profile", str(package), "--prompt-lengths", "4", "12", "--decode-tokens", "3"]) == 0
+    path = profile_path(package, "fp32")
+    assert path.parent == package.parent and path.is_file()
+    profile = LatencyProfile.load(path)
+    assert set(profile.levels) == {"0.25", "0.5", "0.75", "1.0"} and not profile.estimated
+    assert all(entry.tpot_ms > 0 for entry in profile.levels.values())
+    assert ElasticModel.load(package).latency_profile.levels == profile.levels
+    assert "saved" in capsys.readouterr().out
+
+
+def test_sdk_slo_request_field_is_validated():
+    assert parse_slo({"ttft_ms": 100}) == SLO(100, None)
+    assert parse_slo({"ttft": 0.5, "tpot": 0.8}) == SLO.fraction(0.5, 0.8)
+    for bad in ({"ttft_ms": -1}, {"speed": 1}, {"ttft": 0.5, "tpot_ms": 3}, [1]):
+        with pytest.raises(ValueError):
+            parse_slo(bad)
+
+
+# --------------------------------------------------------------------------- the service
+
+
+def post(port: int, body: dict) -> tuple[int, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, response.read()
+
+
+@pytest.fixture
+def serving(model):
+    server = make_server(model, port=0, max_queue=2)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_sdk_serve_completion_and_stream(serving, model):
+    status, body = post(serving, {"prompt": "hi", "max_tokens": 3, "slo": {"tpot_ms": 1.5}})
+    reply = json.loads(body)
+    assert status == 200 and reply["object"] == "text_completion"
+    assert reply["elastify"]["level"] == "0.25" and reply["usage"]["completion_tokens"] == 3
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+    status, body = post(serving, {"prompt": "hi", "max_tokens": 4, "stream": True})
+    events = [line.removeprefix("data: ") for line in body.decode().split("\n\n") if line]
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["elastify"]["level"] == "1.0" and chunks[-1]["usage"]["completion_tokens"] == 4
+    streamed = "".join(c["choices"][0]["text"] for c in chunks)
+    assert streamed == model.generate("hi", max_new_tokens=4).text  # greedy: the same text again
+
+    status, body = post(serving, {"prompt": "", "max_tokens": 3})
+    assert status == 400 and "prompt" in json.loads(body)["error"]["message"]
+
+
+class BlockingModel:
+    """Stands in for a model whose generation takes until the test releases it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.started = threading.Semaphore(0)
+        self.level = "1.0"
+
+    def generate(self, prompt, slo=None, max_new_tokens=16, stream=False):
+        self.started.release()
+        self.release.wait(30)
+        raise RuntimeError("released")
+
+
+def test_sdk_serve_queue_is_bounded():
+    model = BlockingModel()
+    server = make_server(model, port=0, max_queue=1, model_name="blocking")
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        results = []
+        running = threading.Thread(target=lambda: results.append(post(port, {"prompt": "a"})))
+        running.start()
+        assert model.started.acquire(timeout=30)  # the first request holds the model
+        waiting = threading.Thread(target=lambda: results.append(post(port, {"prompt": "b"})))
+        waiting.start()
+        for _ in range(600):  # until the second request sits in the queue
+            if server.service.jobs.qsize() == 1:
+                break
+            threading.Event().wait(0.05)
+        status, body = post(port, {"prompt": "c"})
+        assert status == 503 and "queue is full" in json.loads(body)["error"]["message"]
+        model.release.set()
+        running.join(30)
+        waiting.join(30)
+        assert sorted(s for s, _ in results) == [500, 500]  # both queued requests were served
+    finally:
+        model.release.set()
+        server.shutdown()
+        server.server_close()
