@@ -158,10 +158,8 @@ class Scheduler:
             return Status(session.scalar(select(Build.status).where(Build.id == build_id)))
 
     def tick(self) -> bool:
+        self._maybe_heartbeat()
         now = time.monotonic()
-        if now - self._last_heartbeat >= self.settings.lease_seconds / 3:
-            self._heartbeat()
-            self._last_heartbeat = now
         if now - self._last_sweep >= min(1.0, self.settings.lease_seconds / 3):
             self._requeue_expired()
             self._finalize_open_builds()
@@ -176,6 +174,14 @@ class Scheduler:
 
     def _lease_until(self):
         return utcnow() + timedelta(seconds=self.settings.lease_seconds)
+
+    def _maybe_heartbeat(self) -> None:
+        """Renew my leases every third of their life; also called inside long loops, since a
+        lease that lapses while this scheduler is merely busy would let another one re-run the stage."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.settings.lease_seconds / 3:
+            self._heartbeat()
+            self._last_heartbeat = now
 
     def _heartbeat(self) -> None:
         with self.sessions.begin() as session:
@@ -236,6 +242,7 @@ class Scheduler:
                     leased.append(stage.id)
                     advance(session, Build, stage.build_id, Status.QUEUED, Status.RUNNING, started_at=utcnow())
         for stage_id in leased:
+            self._maybe_heartbeat()
             self._dispatch(stage_id)
         return len(leased)
 
@@ -340,6 +347,7 @@ class Scheduler:
         done, _ = ray.wait(list(self.inflight), num_returns=len(self.inflight),
                            timeout=self.settings.poll_seconds, fetch_local=True)
         for ref in done:
+            self._maybe_heartbeat()
             info = self.inflight.pop(ref)
             exit_reason = None
             try:

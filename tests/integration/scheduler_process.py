@@ -32,8 +32,10 @@ def main() -> None:
     parser.add_argument("--idle-exit", action="store_true")
     parser.add_argument("--wait-for", type=Path)
     parser.add_argument("--ready", type=Path)
+    parser.add_argument("--lease-seconds", type=float, default=FAST["lease_seconds"])
     args = parser.parse_args()
-    settings = Settings.from_env(database_url=args.database_url, store_url=args.store_url, **FAST)
+    options = {**FAST, "lease_seconds": args.lease_seconds}
+    settings = Settings.from_env(database_url=args.database_url, store_url=args.store_url, **options)
     ray.init(address=settings.ray_address, logging_level="WARNING", log_to_driver=False)
     scheduler = Scheduler(settings, REGISTRIES[args.registry]()).start()
     if args.ready:

@@ -114,7 +114,7 @@ def seaweedfs() -> Iterator[str]:
         _wait_s3_ready(endpoint)
         yield endpoint
     finally:
-        stop_group(process)
+        stop_group(process, timeout=5)
         shutil.rmtree(root, ignore_errors=True)
 
 

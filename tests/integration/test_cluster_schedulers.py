@@ -50,7 +50,7 @@ def test_two_schedulers_run_every_stage_of_200_builds_exactly_once(tmp_path, pg_
     go = tmp_path / "go"
     processes = [
         _scheduler(cluster_env, pg_url, tmp_path / "store", "chain-noop", "--idle-exit", "--wait-for", str(go),
-                   "--ready", str(tmp_path / f"ready{i}"), log=tmp_path / f"scheduler{i}.log")
+                   "--ready", str(tmp_path / f"ready{i}"), "--lease-seconds", "15", log=tmp_path / f"scheduler{i}.log")
         for i in range(2)
     ]
     try:
