@@ -179,8 +179,9 @@ def embedded_demo() -> None:
     spec = parse_spec(demo_spec(prepare_smollm2(progress=log.info)))
     started = time.perf_counter()
     with running_service(settings) as scheduler:
-        build_id = submit_build(scheduler.sessions, spec, scheduler.registry)
-        log.info("build %s submitted", build_id)
+        # Keyed by content: an interrupted demo resumes its build, a finished one is shown again.
+        build_id = submit_build(scheduler.sessions, spec, scheduler.registry, idempotency_key=f"demo-{spec.content_hash()}")
+        log.info("build %s", build_id)
         with progress_bars() as on_progress:
             scheduler.run(until=_follow(scheduler, build_id, on_progress), timeout=3600)
         summary = build_summary(scheduler.sessions, build_id)
