@@ -319,8 +319,9 @@ class Scheduler:
             return
         with self.sessions.begin() as session:
             stage = session.get(Stage, stage_id)
-            number = stage.attempts + 1
-            stage.attempts = number
+            # Numbers are unique per stage; `attempts` counts those that spend the retry budget.
+            number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.stage_id == stage_id)) or 0) + 1
+            stage.attempts += 1
             attempt = Attempt(stage_id=stage.id, number=number, worker=self.owner,
                               num_cpus=float(stage.resources.get("num_cpus") or 0),
                               num_gpus=float(stage.resources.get("num_gpus") or 0))
@@ -455,9 +456,6 @@ class Scheduler:
             new, error = Status.CANCELLED, "cancelled"
         else:
             new, error = Status.SUCCEEDED, None
-        if build.status == Status.QUEUED.value and new == Status.SUCCEEDED:
-            advance(session, Build, build_id, Status.QUEUED, Status.RUNNING, started_at=utcnow())
-            build.status = Status.RUNNING.value
         advance(session, Build, build_id, build.status, new, error=error, finished_at=utcnow())
         session.add(Event(build_id=build_id, kind="state", message=f"build {new.value}" + (f": {error}" if error else "")))
 

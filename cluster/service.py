@@ -114,9 +114,11 @@ def build_summary(sessions: sessionmaker[Session], build_id: str) -> dict[str, A
                 },
             })
         target = build.spec.get("publish") or {}
-        package = session.scalar(
-            select(Package).where(Package.name == target.get("name"), Package.version == target.get("version"))
-        )
+        package = None
+        if build.status == Status.SUCCEEDED.value:  # the package this build published (or found identical)
+            package = session.scalar(
+                select(Package).where(Package.name == target.get("name"), Package.version == target.get("version"))
+            )
         return {
             "id": build.id, "tenant": build.tenant_id, "status": build.status, "error": build.error,
             "stages": stages, "cache_hits": sum(s["cache_hit"] for s in stages),

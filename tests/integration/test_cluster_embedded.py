@@ -46,3 +46,29 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
     for stage in summary["stages"]:
         (attempt,) = stage["attempts"]
         assert attempt["wall_seconds"] > 0 and attempt["cpu_seconds"] > 0 and attempt["gpu_seconds"] == 0
+
+
+def test_a_stopped_scheduler_hands_its_stages_back_and_the_next_one_finishes(tmp_path, ray_cluster):
+    from cluster.db import migrate
+    from cluster.registry import Registry, StageRegistration
+    from tests.integration.control_plane import FAST, spec_for
+
+    pid_file = tmp_path / "pid"
+    registry = Registry([StageRegistration(name="first", function="workers.testing:sleep", outputs=("out",),
+                                           max_attempts=1)])
+    settings = Settings(home=tmp_path / "home", **FAST)
+    migrate(settings.database_url)
+    first = Scheduler(settings, registry).start()
+    spec = spec_for({"first": {"seconds": 60, "pid_file": str(pid_file), "only_first_time": True}})
+    build_id = submit_build(first.sessions, spec, registry)
+    first.run(until=pid_file.exists, timeout=60)
+    first.close()  # a clean stop: the stage goes back to the queue without spending its only attempt
+
+    second = Scheduler(settings, registry).start()  # the SQLite writer lock was released
+    try:
+        second.run_until_done([build_id], timeout=60)
+        summary = build_summary(second.sessions, build_id)
+    finally:
+        second.close()
+    assert summary["status"] == "succeeded"
+    assert [(a["number"], a["exit"]) for a in summary["stages"][0]["attempts"]] == [(1, "interrupted"), (2, "ok")]
