@@ -64,6 +64,9 @@ def test_worker_killed_mid_stage_is_retried_and_leaves_no_partial_artifact(tmp_p
     artifact = summary["stages"][0]["artifacts"]["out"]
     assert artifact["uri"].endswith("/a2/out")
     assert scheduler.store.artifact_exists(ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"]))
+    with scheduler.sessions() as session:  # the worker's progress reached the database while it ran
+        progress = session.scalars(select(Event.data).where(Event.build_id == build_id, Event.kind == "progress")).all()
+    assert progress and all(set(data) == {"done", "total"} for data in progress)
 
 
 def test_cancellation_stops_ray_tasks_and_marks_everything_cancelled(tmp_path, scheduler_for):
