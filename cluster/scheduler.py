@@ -392,11 +392,10 @@ class Scheduler:
             if not result["ok"]:
                 stage = session.get(Stage, info.stage_id)
                 if stage.status == Status.RUNNING.value and stage.lease_owner == self.owner:
-                    retryable = result.get("retryable", False) and exit != "interrupted"
                     if exit == "interrupted":  # a clean stop is not the stage's fault: don't spend an attempt
                         stage.attempts -= 1
-                        retryable = True
-                    self._after_failure(session, stage, result["error"], retryable, exit == "cancelled")
+                    self._after_failure(session, stage, result["error"], result.get("retryable", False),
+                                        exit == "cancelled")
                     session.add(Event(build_id=info.build_id, stage_id=info.stage_id, attempt=info.number,
                                       kind="log", level="error", message=f"attempt {info.number} {exit}: {result['error']}"))
 

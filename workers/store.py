@@ -303,7 +303,7 @@ class S3Store(ArtifactStore):
         pages = self._call(prefix, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self._key(prefix))))
         for page in pages:
             keys += [item["Key"][strip:] for item in page.get("Contents", [])]
-        return sorted(k for k in keys if not k.startswith(".tmp/"))
+        return sorted(keys)
 
     def copy(self, source: str, dest: str) -> None:
         if self._call(source, self.client.head_object, Bucket=self.bucket, Key=self._key(source))["ContentLength"] >= 5 << 30:
