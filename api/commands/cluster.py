@@ -64,7 +64,7 @@ def build_submit(
     except SpecError as err:
         _fail(str(err))
         return
-    console.print(build_id)
+    print(build_id)  # stdout, for scripts
 
 
 @build_app.command("status")
