@@ -9,9 +9,14 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm2_package(smollm2, tmp_path_factory) -> Path:
-    """SmolLM2 as a signed device-SDK test package (random unit order: the tests check arithmetic)."""
+    """SmolLM2 as a signed device-SDK test package, its units ordered by a small Taylor profile
+    (real importance keeps the smaller levels real language models, as the int8 check needs)."""
+    from pipeline.profile import ProfileSettings, profile
+    from pipeline.stage import quiet_context
     from tests.unit.sdk_packages import SMOLLM2_LEVELS, build_package, signing_key
 
+    settings = ProfileSettings(windows=4, window_length=64, layer_method="block_influence")
+    importance = profile(smollm2.model, smollm2.tokenizer, smollm2.architecture, settings, quiet_context())
     out = tmp_path_factory.mktemp("smollm2") / "pkg"
     return build_package(smollm2.model, smollm2.tokenizer, out, signing_key(), name="smollm2",
-                         levels=SMOLLM2_LEVELS, align=32)
+                         levels=SMOLLM2_LEVELS, align=32, importance=importance)

@@ -53,13 +53,16 @@ def random_importance(arch, seed: int = 0):
 
 
 def build_package(model, tokenizer, out_dir: Path, key: Ed25519PrivateKey, *, name: str = "tiny",
-                  version: str = "1.0.0", levels=LEVELS, dtype: str = "float32", align: int = 8) -> Path:
+                  version: str = "1.0.0", levels=LEVELS, dtype: str = "float32", align: int = 8,
+                  importance=None) -> Path:
+    """Elastify `model` (with shuffled importance unless given one) and sign the package."""
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import describe_architecture
 
     arch = describe_architecture(model.config)
     settings = ElastifySettings(levels=list(levels), align=align, anchor_fraction=0.25, dtype=dtype)
-    elastify(model, tokenizer, arch, random_importance(arch), settings, out_dir, name=name, version=version)
+    importance = importance or random_importance(arch)
+    elastify(model, tokenizer, arch, importance, settings, out_dir, name=name, version=version)
     sign_package(out_dir, key)
     return out_dir
 
