@@ -16,9 +16,16 @@ class ZeroAttention(nn.Module):
         return torch.zeros_like(hidden_states), None
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None, input_major: bool = False) -> nn.Linear:
+    """nn.Linear over a copy of `weight` ([out, in]).
+
+    `input_major` keeps the copy in [in, out] memory order (the weight is its transposed view),
+    as o/down are stored in the package: fp32 GEMMs over different layouts sum in different
+    orders, and over 30 layers that alone drifts logits by ~5e-5, which is not what we test.
+    """
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-    layer.weight = nn.Parameter(weight.clone())
+    copy_ = weight.t().contiguous().t() if input_major else weight.clone()
+    layer.weight = nn.Parameter(copy_)
     if bias is not None:
         layer.bias = nn.Parameter(bias.clone())
     return layer
@@ -41,10 +48,10 @@ def sliced_dense_copy(model, arch, importance, settings, attn_units, mlp_units):
             for proj, idx in (("q_proj", q_idx), ("k_proj", kv_idx), ("v_proj", kv_idx)):
                 old = getattr(attn, proj)
                 setattr(attn, proj, _linear(old.weight[idx], None if old.bias is None else old.bias[idx]))
-            attn.o_proj = _linear(attn.o_proj.weight[:, q_idx], attn.o_proj.bias)
+            attn.o_proj = _linear(attn.o_proj.weight[:, q_idx], attn.o_proj.bias, input_major=True)
         mlp.gate_proj = _linear(mlp.gate_proj.weight[neurons], mlp.gate_proj.bias)
         mlp.up_proj = _linear(mlp.up_proj.weight[neurons], mlp.up_proj.bias)
-        mlp.down_proj = _linear(mlp.down_proj.weight[:, neurons], mlp.down_proj.bias)
+        mlp.down_proj = _linear(mlp.down_proj.weight[:, neurons], mlp.down_proj.bias, input_major=True)
     return dense.eval()
 
 
