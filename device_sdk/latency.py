@@ -13,7 +13,7 @@ import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -62,7 +62,7 @@ class LatencyProfile:
     threads: int
     levels: dict[str, LevelLatency]
     device: str = field(default_factory=platform.processor)
-    measured_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))  # noqa: UP017 (3.10)
     estimated: bool = False  # True: only the full level was measured, the rest scaled by active fraction
 
     def ttft_ms(self, level: str, prompt_tokens: int) -> float:

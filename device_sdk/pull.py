@@ -19,6 +19,7 @@ once verified, so a half-downloaded package is never loadable.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import json
 import os
@@ -29,7 +30,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 from device_sdk.package import (
@@ -187,8 +188,6 @@ def verify_local(package_dir: Path, public_key=None, *, full: bool = True) -> Ma
 
 
 def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
-    import hashlib
-
     digests = manifest.byte_ranges.get("sha256")
     if digests is None:
         raise PackageError("this package has no byte-range digests, so a partial pull cannot be verified")
@@ -261,7 +260,7 @@ def pull(
             "max_level": level,
             "files": files,
             "bytes": needed_bytes,
-            "installed_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 (SDK runs on 3.10)
         }
         atomic_write_bytes(staging / LOCAL_STATE, canonical_json(state))
         verify_local(staging, public_key, full=True)

@@ -1,0 +1,193 @@
+"""Device SDK benchmark on SmolLM2-135M: one table.
+
+    .venv/bin/python bench/bench_device.py [--package DIR] [--llama-python /path/to/venv/bin/python]
+
+Rows: decode tokens/s of the SDK (fp32, int8) against HF transformers `generate` (fp32) and
+llama.cpp (llama-cpp-python, run from a separate interpreter since it is not a service
+dependency; skipped when absent); TPOT(m)/TPOT(1.0) against the active-parameter fraction
+per level; a level switch against a 256-token TTFT; bytes of a max_level=0.5 pull vs a full one.
+Without --package it elastifies SmolLM2 once (small Taylor profile) into the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from device_sdk.latency import measure_level  # noqa: E402
+from device_sdk.pull import pull, read_local_state  # noqa: E402
+from device_sdk.runtime import ElasticModel  # noqa: E402
+
+PROMPT = "The history of the city begins in the early middle ages, when"
+NEW_TOKENS = 48
+LEVELS = "0.25,0.5,0.75,1.0"
+
+LLAMA_CPP_SCRIPT = """
+import json, sys, time
+from llama_cpp import Llama
+path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, verbose=False)
+def run(tokens):
+    start = time.perf_counter()
+    llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
+    return time.perf_counter() - start
+run(4)
+one, full = min(run(1) for _ in range(2)), min(run(n) for _ in range(2))
+print(json.dumps({"decode_tok_s": (n - 1) / (full - one)}))
+"""
+
+
+def bench_package(home: Path) -> Path:
+    """A SmolLM2 package with real (small-profile) importance, built once."""
+    package = home / "bench" / "smollm2-device"
+    if not (package / "manifest.json").is_file():
+        from pipeline.assets import prepare_smollm2
+
+        subprocess.run(
+            [sys.executable, "-m", "api.cli", "elastify", "--model", str(prepare_smollm2()), "--out", str(package),
+             "--levels", LEVELS, "--windows", "8", "--layer-method", "block_influence", "--eval-windows", "0"],
+            check=True,
+        )
+    return package
+
+
+def sign_copy(package: Path, work: Path):
+    """A signed copy of the package in a registry directory, and the key to pull it with."""
+    import shutil
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from device_sdk.package import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
+
+    key = Ed25519PrivateKey.generate()
+    target = work / "registry" / "packages" / "smollm2" / "1.0.0"
+    shutil.copytree(package, target)
+    manifest = read_manifest(target)
+    manifest.name, manifest.version = "smollm2", "1.0.0"
+    sign_manifest(manifest, key)
+    atomic_write_bytes(target / MANIFEST, canonical_json(manifest.to_dict()))
+    return work / "registry", key.public_key()
+
+
+def sdk_decode_tok_s(model: ElasticModel) -> float:
+    model.generate(PROMPT, max_new_tokens=4, level="1.0")
+    runs = [model.generate(PROMPT, max_new_tokens=NEW_TOKENS, level="1.0") for _ in range(2)]
+    return 1000.0 / min(r.tpot_ms for r in runs)
+
+
+def hf_decode_tok_s(model_dir: Path) -> float:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+
+    def run(tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        return time.perf_counter() - start
+
+    run(4)
+    one, full = min(run(1) for _ in range(2)), min(run(NEW_TOKENS) for _ in range(2))
+    return (NEW_TOKENS - 1) / (full - one)
+
+
+def llama_cpp_decode_tok_s(python: str | None) -> tuple[float | None, str]:
+    from pipeline.assets import smollm2_gguf
+
+    if not python or not Path(python).is_file():
+        return None, "llama-cpp-python not installed (give --llama-python)"
+    try:
+        out = subprocess.run(
+            [python, "-c", LLAMA_CPP_SCRIPT, str(smollm2_gguf()), PROMPT, str(NEW_TOKENS), str(torch.get_num_threads())],
+            check=True, capture_output=True, text=True, timeout=600,
+        )
+    except (subprocess.SubprocessError, OSError) as err:
+        return None, f"llama.cpp failed: {err}"
+    return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"], "Q4_1 GGUF (the packaged one)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", type=Path)
+    parser.add_argument("--llama-python", default=os.environ.get("ELASTIFY_LLAMA_PYTHON"))
+    args = parser.parse_args()
+    home = Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
+    package = args.package or bench_package(home)
+    rows: list[tuple[str, str, str]] = []
+
+    with tempfile.TemporaryDirectory() as scratch:
+        registry, public_key = sign_copy(package, Path(scratch))
+        full = pull("smollm2", "1.0.0", registry=registry, public_key=public_key, cache_dir=Path(scratch) / "full")
+        half = pull("smollm2", "1.0.0", registry=registry, public_key=public_key, max_level=0.5,
+                    cache_dir=Path(scratch) / "half")
+        full_bytes, half_bytes = read_local_state(full)["bytes"], read_local_state(half)["bytes"]
+
+        fp32 = ElasticModel.load(full, public_key=public_key)
+        int8 = ElasticModel.load(full, public_key=public_key, quantize="int8")
+        from pipeline.assets import prepare_smollm2
+
+        hf = hf_decode_tok_s(prepare_smollm2())
+        sdk32, sdk8 = sdk_decode_tok_s(fp32), sdk_decode_tok_s(int8)
+        llama, llama_note = llama_cpp_decode_tok_s(args.llama_python)
+        rows += [
+            ("decode tok/s, HF generate fp32", f"{hf:.1f}", "baseline"),
+            ("decode tok/s, SDK fp32", f"{sdk32:.1f}  ({sdk32 / hf:.2f}x HF)", ">= 3x HF"),
+            ("decode tok/s, SDK int8", f"{sdk8:.1f}  ({sdk8 / hf:.2f}x HF)", ">= 3x HF"),
+        ]
+        if llama is None:
+            rows.append(("decode tok/s, llama.cpp", "skipped", llama_note))
+        else:
+            rows.append((f"decode tok/s, llama.cpp {llama_note.split()[0]}", f"{llama:.1f}",
+                         f"SDK int8 = {sdk8 / llama:.2f}x; goal >= 1.0x"))
+
+        for name, model in (("fp32", fp32), ("int8", int8)):
+            tpots = {}
+            for level in model.available_levels():
+                model.set_level(level)
+                tpots[level] = measure_level(model, (16,), decode_tokens=24, repeats=1).tpot_ms
+            for level, tpot in tpots.items():
+                fraction = model.manifest.elastic.level(level).active_fraction
+                ratio = tpot / tpots["1.0"]
+                rows.append((f"TPOT({level})/TPOT(1.0) {name}", f"{ratio:.3f} vs active fraction {fraction:.3f}",
+                             f"{ratio / fraction:.2f}x of fraction; goal <= 1.1x"))
+
+        model = int8
+        model.set_level("1.0")
+        ttft = measure_level(model, (256,), decode_tokens=1, repeats=2).ttft_base_ms  # one length: base = TTFT(256)
+        switches = []
+        for _ in range(50):
+            for level in ("0.5", "1.0"):
+                start = time.perf_counter()
+                model.set_level(level)
+                switches.append((time.perf_counter() - start) * 1000)
+        switch = statistics.median(switches)
+        rows.append(("level switch (median) vs 256-token TTFT, int8", f"{switch:.3f} ms vs {ttft:.1f} ms",
+                     f"{100 * switch / ttft:.3f}%; goal < 0.1%"))
+        rows.append(("bytes pulled, max_level=0.5 vs full", f"{half_bytes:,} vs {full_bytes:,}",
+                     f"{half_bytes / full_bytes:.1%} of full"))
+
+    load = os.getloadavg()[0]
+    print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, load average {load:.1f}, {NEW_TOKENS} new tokens")
+    width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    print(f"{'metric':<{width[0]}}  {'value':<{width[1]}}  note")
+    print("-" * (width[0] + width[1] + 40))
+    for metric, value, note in rows:
+        print(f"{metric:<{width[0]}}  {value:<{width[1]}}  {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
