@@ -303,8 +303,9 @@ class Scheduler:
                     cached = self._cached_outputs(session, stage, registration) if stage.cache_key else None
                 else:
                     cached = None
-            except Exception as err:  # e.g. the signing key is missing: a clear, permanent failure
-                self._after_failure(session, stage, f"{type(err).__name__}: {err}", False, False)
+            except Exception as err:  # a missing signing key is permanent; a store that is down is not
+                stage.attempts += 1  # a failed dispatch spends an attempt, so retries stay bounded
+                self._after_failure(session, stage, f"{type(err).__name__}: {err}", isinstance(err, StoreError), False)
                 return
             if cached is not None:
                 session.add(Event(build_id=build.id, stage_id=stage.id, kind="state", message="cache hit"))
@@ -313,7 +314,9 @@ class Scheduler:
                 self._run_hook(registration, stage_id, cached)
             except Exception as err:
                 with self.sessions.begin() as session:
-                    self._after_failure(session, session.get(Stage, stage_id), f"{type(err).__name__}: {err}", False, False)
+                    stage = session.get(Stage, stage_id)
+                    stage.attempts += 1
+                    self._after_failure(session, stage, f"{type(err).__name__}: {err}", isinstance(err, StoreError), False)
                 return
             self._succeed(stage_id, cached, cache_hit=True)
             return
@@ -366,8 +369,9 @@ class Scheduler:
         if result["ok"]:
             try:
                 self._run_hook(info.registration, info.stage_id, result["outputs"])
-            except Exception as err:
-                result = {**result, "ok": False, "error": f"{type(err).__name__}: {err}", "retryable": False}
+            except Exception as err:  # e.g. PublishRefused (permanent) or the store went away (retry)
+                result = {**result, "ok": False, "error": f"{type(err).__name__}: {err}",
+                          "retryable": isinstance(err, StoreError)}
                 exit_reason = "error"
         self._finish_attempt(info, result, exit=exit_reason or ("ok" if result["ok"] else "error"))
         if result["ok"]:
