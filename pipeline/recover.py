@@ -277,6 +277,11 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
 
     if not torch.distributed.is_initialized():
         init_deepspeed_single_process()
+    # DeepSpeed broadcasts every parameter as a flat byte view, which needs a unit last stride:
+    # the transposed o/down views get a contiguous copy of this level's prefix (the rest stay views).
+    for module in hf.modules():
+        if isinstance(module, nn.Linear) and module.weight.dim() == 2 and module.weight.stride(-1) != 1:
+            module.weight = nn.Parameter(module.weight.contiguous(), requires_grad=False)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))

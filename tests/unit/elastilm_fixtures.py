@@ -10,16 +10,49 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
-from functools import cache
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache, wraps
 from pathlib import Path
 
+import pytest
+
 LEVELS = [0.5, 0.7, 1.0]
-RECOVER_STEPS = 12
+RECOVER_STEPS = 6
 _ROOT = Path(tempfile.mkdtemp(prefix="elastilm-tests-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Two oversubscribed intra-op threads on a busy 2-core box run ~8x slower than one."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def single_thread():
+    with one_thread():
+        yield
+
+
+def _one_thread(fn):
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        with one_thread():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 @cache
+@_one_thread
 def smollm2_elastic_package() -> Path:
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
@@ -38,6 +71,7 @@ def smollm2_elastic_package() -> Path:
 
 
 @cache
+@_one_thread
 def recovery_results() -> dict[str, dict]:
     """Per level below 1.0: the recover stage's outputs and metrics (short torch-loop runs)."""
     import json
@@ -48,8 +82,8 @@ def recovery_results() -> dict[str, dict]:
     results = {}
     for level in ("0.5", "0.7"):
         work = _ROOT / f"recover-{level}"
-        settings = {"level": level, "steps": RECOVER_STEPS, "batch_size": 2, "seq_len": 64, "eval_windows": 6,
-                    "lr": 1e-3, "warmup_steps": 2}
+        settings = {"level": level, "steps": RECOVER_STEPS, "batch_size": 2, "seq_len": 32, "eval_windows": 4,
+                    "lr": 2e-3, "warmup_steps": 1, "corpus": ["ptb:valid"], "eval_corpus": ["ptb:test"]}
         outputs = recover.run({"package": smollm2_elastic_package()}, settings, quiet_context(work))
         results[level] = {**{k: Path(v) for k, v in outputs.items()},
                           "metrics_data": json.loads(Path(outputs["metrics"]).read_text())}
@@ -57,6 +91,7 @@ def recovery_results() -> dict[str, dict]:
 
 
 @cache
+@_one_thread
 def recovered_package() -> Path:
     """The shared package plus its level adapters, installed through the fan-in entry."""
     from pipeline import recover
@@ -71,3 +106,25 @@ def scratch(name: str) -> Path:
     path = _ROOT / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@cache
+@_one_thread
+def score_tlm_dir() -> Path:
+    """A score-head TLM trained briefly on LLM-derived labels (LAMBADA passages, full SmolLM2)."""
+    from pipeline import tlm
+    from pipeline.stage import quiet_context
+
+    settings = {"texts": ["lambada"], "passages": 16, "passage_words": 50, "steps": 30, "batch_size": 8,
+                "lr": 1e-4, "max_length": 128}
+    return Path(tlm.run_score({"package": smollm2_elastic_package()}, settings, quiet_context(scratch("tlm")))["tlm"])
+
+
+@cache
+@_one_thread
+def latency_report() -> Path:
+    from pipeline import latency
+    from pipeline.stage import quiet_context
+
+    settings = {"prompt_lengths": [16, 64], "decode_tokens": 4, "repeats": 1}
+    return Path(latency.run({"package": smollm2_elastic_package()}, settings, quiet_context(scratch("latency")))["latency"])
