@@ -98,6 +98,24 @@ def fanout_seconds(workers: int, shards: int, iterations: int, home: Path) -> fl
     return (max(end for _, end in spans) - min(start for start, _ in spans)).total_seconds()
 
 
+def _burn(iterations: int) -> None:
+    import hashlib
+
+    value = b"x"
+    for _ in range(iterations):
+        value = hashlib.sha256(value).digest()
+
+
+def machine_ceiling(workers: int, shards: int, iterations: int) -> float:
+    """The same work in a plain process pool: what this machine allows, without Ray or a scheduler."""
+    import multiprocessing
+
+    started = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        pool.map(_burn, [iterations] * shards)
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--builds", type=int, default=60, help="no-op builds (3 stages each) per database")
@@ -127,6 +145,8 @@ def main() -> None:
         table.add_column(column, justify="right")
     table.add_row("1", f"{one:.1f}", "1.00×", "")
     table.add_row("2", f"{two:.1f}", f"{one / two:.2f}×", "≥ 1.70×")
+    pool_one, pool_two = (machine_ceiling(n, args.shards, args.iterations) for n in (1, 2))
+    table.add_row("2 (plain process pool, no Ray)", f"{pool_two:.1f}", f"{pool_one / pool_two:.2f}×", "machine ceiling")
     console.print(table)
 
 
