@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device_sdk.latency import measure_level  # noqa: E402
-from device_sdk.pull import pull, read_local_state  # noqa: E402
+from device_sdk.registry import pull, read_local_state  # noqa: E402
 from device_sdk.runtime import ElasticModel  # noqa: E402
 
 PROMPT = "The history of the city begins in the early middle ages, when"

@@ -4,7 +4,7 @@ safetensors, tokenizers, numpy and cryptography only; never on the service packa
 from device_sdk.elastic import ElasticLinear
 from device_sdk.latency import SLO
 from device_sdk.package import FORMAT_VERSION, Manifest, PackageError, read_manifest, verify_package
-from device_sdk.pull import pull
+from device_sdk.registry import pull
 from device_sdk.runtime import ElasticModel, Generation
 
 __all__ = [

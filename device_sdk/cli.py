@@ -26,7 +26,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from device_sdk.pull import pull, read_local_state
+    from device_sdk.registry import pull, read_local_state
 
     path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
                 max_level=args.max_level, cache_dir=args.cache_dir)

@@ -27,7 +27,7 @@ from device_sdk.kernels import make_linear
 from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
 from device_sdk.llama import Projection, Transformer
 from device_sdk.package import WEIGHTS, Level, Manifest, PackageError, safetensors_layout
-from device_sdk.pull import read_local_state, verify_local
+from device_sdk.registry import read_local_state, verify_local
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 LORA_SCALE_DEFAULT = 2.0  # alpha 16 / rank 8, the recovery stage's default

@@ -12,9 +12,9 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from device_sdk import pull as pull_module
+from device_sdk import registry as registry_module
 from device_sdk.package import MANIFEST, WEIGHTS, PackageError, canonical_json
-from device_sdk.pull import pull, read_local_state
+from device_sdk.registry import pull, read_local_state
 from device_sdk.runtime import ElasticModel
 from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, signing_key, tiny_package
 
@@ -112,8 +112,8 @@ def test_sdk_pull_over_http_in_parallel(http_registry, registry, tmp_path):
 
 
 def test_sdk_interrupted_download_resumes_with_range(http_registry, tmp_path, monkeypatch):
-    monkeypatch.setattr(pull_module, "CHUNK", 4096)  # small blocks, so progress is recorded often
-    monkeypatch.setattr(pull_module, "ATTEMPTS", 1)
+    monkeypatch.setattr(registry_module, "CHUNK", 4096)  # small blocks, so progress is recorded often
+    monkeypatch.setattr(registry_module, "ATTEMPTS", 1)
     weights = f"/packages/tiny/1.0.0/{WEIGHTS}"
     RangeHandler.cut_after[weights] = 50_000
     with pytest.raises(ConnectionError, match="pull again to resume"):

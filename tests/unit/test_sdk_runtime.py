@@ -118,7 +118,7 @@ def test_sdk_level_lora_switches_with_level(tmp_path):
 
 def test_sdk_partial_copy_refuses_larger_levels(tmp_path):
     from device_sdk.package import atomic_write_bytes, canonical_json
-    from device_sdk.pull import LOCAL_STATE
+    from device_sdk.registry import LOCAL_STATE
 
     _, package = tiny_package("llama_mha", tmp_path / "pkg", KEY)
     atomic_write_bytes(package / LOCAL_STATE, canonical_json({"max_level": "0.5", "files": []}))
