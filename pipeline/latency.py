@@ -103,12 +103,12 @@ def measure_level(model, prompt_lengths: list[int], decode_tokens: int, repeats:
         ttft[length] = _best_ms(lambda ids=ids: model(ids, use_cache=False, logits_to_keep=1), repeats)
     out = model(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), use_cache=True,
                 logits_to_keep=1)
-    cache, token, steps = out.past_key_values, torch.zeros(1, 1, dtype=torch.long), []
+    cache, token, steps = out.cache, torch.zeros(1, 1, dtype=torch.long), []
     for _ in range(decode_tokens):
         start = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(token, cache=cache, use_cache=True, logits_to_keep=1)
         steps.append((time.perf_counter() - start) * 1000)
-        cache = out.past_key_values
+        cache = out.cache
     steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter: scheduler noise
     return ttft, sum(steps) / len(steps)
 

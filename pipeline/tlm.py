@@ -87,8 +87,9 @@ def llm_word_labels(model, tokenizer, text: str, keep_rate: float = 0.5) -> list
     """Self-derived labels: keep the words whose removal would raise the LLM's loss of what follows most.
 
     First-order estimate: removing token t's embedding e_t changes the loss by ≈ −∇L·e_t, and
-    by causality that gradient only carries the effect on later tokens. A word's importance
-    is the sum over its LLM tokens (mapped through character spans).
+    by causality that gradient only carries the effect on later tokens. Its magnitude is the
+    importance (as in Taylor pruning: the signed estimate is too noisy to rank by); a word's
+    importance is the sum over its LLM tokens (mapped through character spans).
     """
     spans = word_spans(text)
     if not spans:
@@ -100,7 +101,7 @@ def llm_word_labels(model, tokenizer, text: str, keep_rate: float = 0.5) -> list
     logits = hf(inputs_embeds=embeds, use_cache=False).logits[:, :-1].float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     (grad,) = torch.autograd.grad(loss, embeds)
-    effect = -(grad * embeds.detach()).sum(-1)[0]
+    effect = (grad * embeds.detach()).sum(-1)[0].abs()
     importance = [0.0] * len(spans)
     ends = [b for _, b in spans]
     for token_index, (start, end) in enumerate(encoded["offset_mapping"]):
