@@ -21,9 +21,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as device_sdk sets it, for every contender alike
+
+import torch  # noqa: E402
 
 from device_sdk.latency import measure_level  # noqa: E402
 from device_sdk.registry import pull, read_local_state  # noqa: E402

@@ -137,7 +137,14 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        # GQA without repeating K/V: a group's query heads are adjacent, so fold them into the
+        # query axis. (Plain matmuls: torch's fused CPU attention is far slower for one token.)
+        groups, n_rep = k.shape[1], q.shape[1] // k.shape[1]
+        q = q.reshape(B, groups, n_rep * T, self.head_dim)
+        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5  # [B, groups, n_rep·T, S]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        y = (scores.softmax(dim=-1) @ v).reshape(B, groups * n_rep, T, self.head_dim)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -205,7 +212,7 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x))
 
     def attention_mask(self, positions: torch.Tensor, total: int) -> torch.Tensor | None:
-        """Causal (and sliding-window, for Mistral) mask of the new queries over all keys."""
+        """Causal (and sliding-window, for Mistral) mask of the new queries over all keys, [n_rep·T, S]."""
         window = self.arch.sliding_window
         if len(positions) == 1 and (window is None or total <= window):
             return None  # one new token sees everything cached
@@ -214,7 +221,7 @@ class Transformer(nn.Module):
         allowed = distance >= 0
         if window is not None:
             allowed &= distance < window
-        return allowed
+        return allowed.repeat(self.arch.n_rep, 1)  # rows follow the folded (query head, position) axis
 
 
 def projection(weights: Mapping[str, torch.Tensor], base: str, rows_per_unit: int, make: LinearFactory) -> Projection:
