@@ -137,3 +137,22 @@ def test_sdk_matches_hf_and_wrapper_smollm2(native, smollm2_package, smollm2):
     # logits of magnitude ~30 by up to ~2e-4, so it gets 5e-4 and the torch path 1e-4.
     ids = token_ids(smollm2.model.config.vocab_size, length=32, batch=1)
     check_against_reference(smollm2.model, smollm2_package, ids, native=native, tolerance=5e-4 if native else 1e-4)
+
+
+def test_sdk_fp16_storage_runs_in_fp32(tmp_path):
+    """A package stored in fp16, and an fp32 one converted at load, both compute in fp32."""
+    from tests.tiny import byte_tokenizer, tiny_model
+    from tests.unit.sdk_packages import build_package
+
+    hf_model = tiny_model("qwen2_bias")
+    stored = build_package(hf_model, byte_tokenizer(), tmp_path / "fp16", KEY, dtype="float16")
+    ids = token_ids(256)
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+    for model in (ElasticModel.load(stored), ElasticModel.load(tiny_package("qwen2_bias", tmp_path / "fp32", KEY)[1],
+                                                               quantize="fp16")):
+        assert model.weight_format == "fp16"
+        assert model.transformer.layers[0].mlp.up_proj.linear.storage.dtype == torch.float16
+        logits = model.logits(ids)
+        assert logits.dtype == torch.float32
+        assert (logits - expected).abs().max().item() <= 0.05  # fp16 rounding of the weights only
