@@ -336,11 +336,16 @@ class Scheduler:
                 settings=dict(stage.settings), store=self.settings.store,
                 output_prefix=f"builds/{stage.build_id}/{stage.key}/a{number}", runtime=runtime,
             )
-            ref = submit(task, stage.resources, self.events)
-            self.inflight[ref] = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number,
-                                          attempt.num_gpus)
+            info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)
             session.add(Event(build_id=stage.build_id, stage_id=stage.id, attempt=number, kind="state",
                               message=f"dispatched attempt {number} to Ray with {stage.resources}"))
+            resources = dict(stage.resources)
+        # Submit only once the attempt row is committed: every Ray task has its record.
+        try:
+            self.inflight[submit(task, resources, self.events)] = info
+        except Exception as err:  # e.g. resources no node can ever offer
+            self._finish_attempt(info, {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": False},
+                                 exit="error")
 
     # ------------------------------------------------------------------ results
 
