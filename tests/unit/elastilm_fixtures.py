@@ -115,7 +115,7 @@ def score_tlm_dir() -> Path:
     from pipeline import tlm
     from pipeline.stage import quiet_context
 
-    settings = {"texts": ["lambada"], "passages": 16, "passage_words": 50, "steps": 30, "batch_size": 8,
+    settings = {"texts": ["lambada"], "passages": 24, "passage_words": 50, "steps": 40, "batch_size": 8,
                 "lr": 1e-4, "max_length": 128}
     return Path(tlm.run_score({"package": smollm2_elastic_package()}, settings, quiet_context(scratch("tlm")))["tlm"])
 

@@ -1,0 +1,168 @@
+"""Label stage: one worker sweeps the grid zero-copy; labels per SLO; the decision head trains on them."""
+
+from __future__ import annotations
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.unit.elastilm_fixtures import (
+    latency_report,
+    recovered_package,
+    score_tlm_dir,
+    scratch,
+    single_thread,  # noqa: F401  (fixture)
+)
+
+RATIOS = [0.5, 1.0]
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@cache
+def labelled_shards() -> list[dict[str, Path]]:
+    from pipeline import label
+    from pipeline.stage import quiet_context
+
+    shards = []
+    for index, (start, stop) in enumerate(((0, 3), (3, 5))):
+        settings = {"tasks": ["arc_easy"], "per_task": 5, "start": start, "stop": stop, "ratios": RATIOS}
+        inputs = {"package": recovered_package(), "tlm": score_tlm_dir()}
+        shards.append(label.run(inputs, settings, quiet_context(scratch(f"label-{index}"))))
+    return shards
+
+
+@cache
+def derived_labels() -> Path:
+    from pipeline import label
+    from pipeline.stage import quiet_context
+
+    inputs = {"package": recovered_package(), "latency": latency_report()}
+    for index, shard in enumerate(labelled_shards()):
+        inputs[f"correctness:{index}"] = shard["correctness"]
+        inputs[f"meta:{index}"] = shard["meta"]
+    return label.run_derive(inputs, {}, quiet_context(scratch("derive")))["labels"]
+
+
+def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
+    from pipeline import label
+    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.stage import quiet_context
+
+    package, tlm_dir = recovered_package(), score_tlm_dir()  # build the shared inputs before counting loads
+    loads = []
+    original = ElasticCausalLM.from_package.__func__
+    monkeypatch.setattr(ElasticCausalLM, "from_package",
+                        classmethod(lambda cls, *a, **k: loads.append(a) or original(cls, *a, **k)))
+    worker = label.LabelWorker(package, tlm_dir)
+    storages = {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr())
+                for m in worker.model.elastic_linears()}
+    visited = []
+    real_set_level = worker.set_level
+
+    def tracking_set_level(level):
+        real_set_level(level)
+        visited.append(level)
+        # every active weight is a view into the one storage the worker loaded
+        for module in worker.model.elastic_linears():
+            assert module.active_weight.untyped_storage().data_ptr() == storages[id(module)][1]
+
+    worker.set_level = tracking_set_level
+    items = label.load_items(["arc_easy"], 0, 3)
+    correct = worker.sweep(items, RATIOS, worker.levels, ["?"], quiet_context())
+    assert correct.shape == (3, len(RATIOS), len(worker.levels))
+    assert len(visited) == 3 * len(RATIOS) * len(worker.levels)
+    assert set(visited) == set(worker.levels)
+    assert len(loads) == 1  # the weights were read once, at construction
+    assert {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr())
+            for m in worker.model.elastic_linears()} == storages
+    assert set(worker.adapted_levels) == {"0.5", "0.7"}
+
+
+def test_label_level_adapter_changes_the_output_of_its_level_only():
+    from pipeline import label
+
+    worker = label.LabelWorker(recovered_package(), None)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    worker.set_level("0.5")
+    with_lora = worker.model(ids).logits
+    wrappers = worker.model.lora_wrappers
+    assert all(w.active is None or w.active is w.adapters["0.5"] for w in wrappers)
+    for w in wrappers:
+        w.active = None
+    without = worker.model(ids).logits
+    assert not torch.allclose(with_lora, without)
+    worker.set_level("1.0")
+    assert all(w.active is None for w in wrappers)
+
+
+def test_label_shards_store_the_correctness_tensor():
+    from pipeline.label import load_shards
+
+    shards = labelled_shards()
+    correct, tokens, meta = load_shards([(s["correctness"], s["meta"]) for s in shards])
+    assert correct.shape == (5, len(RATIOS), 3) and correct.dtype == torch.bool
+    assert tokens.shape == (5,) and int(tokens.min()) > 3
+    ids = [it["id"] for it in meta["items"]]
+    assert len(set(ids)) == 5 and all(i.startswith("arc_easy/") for i in ids)
+    assert meta["ratios"] == RATIOS and meta["levels"] == ["0.5", "0.7", "1.0"]
+
+
+def test_label_rules_pick_most_capable_or_lightest_feasible_pair():
+    from pipeline.label import choose_pair
+
+    correct = torch.tensor([[True, False, True], [True, True, False]])  # [ratio, level]
+    pairs = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (ratio index, level index); level 2 infeasible
+    cost = lambda r, m: r + 2 * m  # noqa: E731
+    assert choose_pair(correct, pairs, "capable", cost) == (1, 1)
+    assert choose_pair(correct, pairs, "lightest", cost) == (0, 0)
+    wrong = torch.zeros(2, 3, dtype=torch.bool)
+    assert choose_pair(wrong, pairs, "capable", cost) == (1, 1)  # none correct: most capable feasible
+    assert choose_pair(wrong, [], "capable", cost) is None
+
+
+def test_label_derived_labels_are_feasible_under_the_cost_model():
+    from pipeline.label import SLO, load_profile, load_shards
+    from pipeline.latency import feasible
+
+    labels = json.loads(Path(derived_labels()).read_text())
+    profile = load_profile({"latency": latency_report()})
+    _, tokens, meta = load_shards([(s["correctness"], s["meta"]) for s in labelled_shards()])
+    tokens_of = {item["id"]: int(n) for item, n in zip(meta["items"], tokens, strict=True)}
+    for rule in ("capable", "lightest"):
+        rows = labels["rules"][rule]
+        assert rows
+        for row in rows:
+            slo = SLO.fraction(row["ttft"], row["tpot"])
+            assert feasible(profile, row["level"], row["ratio"], tokens_of[row["item"]], slo), row
+    # the lightest-correct rule never picks a heavier level than the most-capable rule
+    for capable, lightest in zip(labels["rules"]["capable"], labels["rules"]["lightest"], strict=True):
+        assert float(lightest["level"]) <= float(capable["level"])
+
+
+def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
+    from pipeline import tlm
+    from pipeline.stage import quiet_context
+
+    out = tlm.run_decision({"tlm": score_tlm_dir(), "labels": derived_labels()}, {"steps": 8, "batch_size": 8},
+                           quiet_context(scratch("decision")))
+    trained, tokenizer = tlm.load_tlm(out["tlm"])
+    before, _ = tlm.load_tlm(score_tlm_dir())
+    base = trained.config.base_vocab
+    # SLO rows trained; pretrained rows and the frozen trunk identical, so one trunk serves both heads
+    emb_after, emb_before = trained.embeddings.word_embeddings.weight, before.embeddings.word_embeddings.weight
+    assert not torch.equal(emb_after[base:], emb_before[base:])
+    assert torch.equal(emb_after[:base], emb_before[:base])
+    for a, b in zip(trained.trunk.state_dict().values(), before.trunk.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(trained.score_layers.state_dict().values(), before.score_layers.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert tokenizer.convert_tokens_to_ids("[TTFT_0.2]") >= base
+    ratio, level, ok = tlm.decide(trained, tokenizer, "Question: why?", 0.4, 0.7,
+                                  lambda r, m: float(m) <= 0.5 and r <= 0.5)
+    assert ok and float(level) <= 0.5 and ratio <= 0.5
+    _, _, ok = tlm.decide(trained, tokenizer, "Question: why?", 0.4, 0.7, lambda r, m: False)
+    assert not ok
