@@ -1,0 +1,26 @@
+"""The TLM goes into a package through the manifest helpers: files hashed, `tlm` field written, loadable back."""
+
+from __future__ import annotations
+
+import torch
+
+from device_sdk.package import verify_package
+
+
+def test_tlm_install_into_package_and_load_back(tmp_path):
+    from pipeline.tlm import install_tlm, load_tlm, new_tlm, save_tlm, slo_embedding_rows
+    from tests.tiny import byte_tokenizer, tiny_model
+    from tests.unit.sdk_packages import build_package, signing_key
+
+    package = build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path / "pkg", signing_key(),
+                            levels=[0.5, 1.0])
+    model, tokenizer = new_tlm(None, ["0.5", "1.0"], frozen_layers=3, max_length=64)
+    save_tlm(model, tokenizer, tmp_path / "tlm")
+    install_tlm(package, tmp_path / "tlm")
+    manifest = verify_package(package)
+    assert manifest.tlm["levels"] == ["0.5", "1.0"] and manifest.tlm["frozen_layers"] == 3
+    assert "[TTFT_0.2]" in manifest.tlm["special_tokens"] and manifest.tlm["slo_bins"]["tpot"][0] == 0.5
+    assert any(entry.path == "tlm/tlm.safetensors" for entry in manifest.files)
+    loaded, loaded_tokenizer = load_tlm(package / "tlm")
+    assert torch.equal(slo_embedding_rows(loaded), slo_embedding_rows(model))
+    assert loaded_tokenizer.convert_tokens_to_ids("[TPOT_1.0]") == model.config.base_vocab + len(model.config.slo_tokens) - 1
