@@ -73,15 +73,15 @@ class ElasticLinear(nn.Module):
     def set_width(self, units: int) -> None:
         if not 0 <= units <= self.max_units:
             raise ValueError(f"width {units} is outside 0..{self.max_units} units")
-        self.units = units
-        # Leading slices of contiguous storage: views, never copies.
-        self.active_weight = self.storage[: self.active_rows]
-        if self.bias is None:
-            self.active_bias = None
-        elif self.unit_axis == "out":
-            self.active_bias = self.bias[: self.active_rows]
-        else:
-            self.active_bias = self.bias
+        rows = units * self.unit_size
+        bias = self.bias
+        # Leading slices of contiguous storage: views, never copies. Plain attributes are
+        # written to __dict__ directly: nn.Module.__setattr__'s registry checks would double
+        # the cost of a whole-model switch (~200 of these calls).
+        state = self.__dict__
+        state["units"] = units
+        state["active_weight"] = self.storage[:rows]
+        state["active_bias"] = bias[:rows] if bias is not None and self.unit_axis == "out" else bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

@@ -80,6 +80,11 @@ class ElasticModel:
         self.held_level = held_level  # a partial pull holds levels up to this one only
         make = partial(make_linear, weight_format=weight_format, native=native)
         self.transformer = Transformer(manifest.architecture, weights, make)
+        # Per layer: (LoRA key, projection, sized by KV groups?), built once so a switch only loops.
+        self._switch_plan = [
+            [(name, proj, ".self_attn." in name) for name, proj in self._projections(block, index)]
+            for index, block in enumerate(self.transformer.layers)
+        ]
         self.adapters = self._read_adapters()
         config = json.loads((self.package_dir / "model" / "config.json").read_text())
         eos = config.get("eos_token_id")
@@ -162,10 +167,14 @@ class ElasticModel:
         self.level = None
 
     def _set_widths(self, attn_units, mlp_units, lora) -> None:
-        for index, (block, groups, neurons) in enumerate(zip(self.transformer.layers, attn_units, mlp_units, strict=True)):
-            for name, proj in self._projections(block, index):
-                proj.linear.set_width(groups if ".self_attn." in name else neurons)
-                proj.lora = lora.get(name)
+        for projections, groups, neurons in zip(self._switch_plan, attn_units, mlp_units, strict=True):
+            for name, proj, sized_by_groups in projections:
+                width = groups if sized_by_groups else neurons
+                if proj.linear.units != width:  # anchor layers never change: skip them
+                    proj.linear.set_width(width)
+                adapter = lora.get(name)
+                if proj.lora is not adapter:
+                    proj.__dict__["lora"] = adapter  # a plain attribute; see ElasticLinear.set_width
 
     @staticmethod
     def _projections(block, index: int) -> list[tuple[str, Projection]]:
