@@ -23,6 +23,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import time
 import urllib.error
@@ -46,6 +47,7 @@ from device_sdk.package import (
     verify_signature,
 )
 
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # names and versions become cache paths and URLs
 LOCAL_STATE = ".elastify-local.json"  # written by pull into the installed copy, never in a registry
 CHUNK = 1 << 20
 ATTEMPTS = 3  # per file; each retry resumes where the last one stopped
@@ -81,13 +83,6 @@ class Registry:
         interrupted copy can resume from there.
         """
         raise NotImplementedError
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.read(key)
-        except FileNotFoundError:
-            return False
-        return True
 
 
 class DirectoryRegistry(Registry):
@@ -204,16 +199,22 @@ def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
 # --------------------------------------------------------------------------- pull
 
 
-def resolve_version(registry: Registry, name: str, version_or_alias: str) -> str:
-    if registry.exists(f"packages/{name}/{version_or_alias}/{MANIFEST}"):
-        return version_or_alias
+def read_release(registry: Registry, name: str, version_or_alias: str) -> tuple[str, bytes]:
+    """(version, raw manifest): a version directory if there is one, else the alias's target."""
+    try:
+        return version_or_alias, registry.read(f"packages/{name}/{version_or_alias}/{MANIFEST}")
+    except FileNotFoundError:
+        pass
     try:
         version = registry.read(f"packages/{name}/aliases/{version_or_alias}").decode().strip()
     except FileNotFoundError:
         raise PackageError(f"the registry has no version or alias {version_or_alias!r} of {name!r}") from None
-    if not version or "/" in version:
+    if not SAFE_NAME.fullmatch(version) or version in (".", ".."):
         raise PackageError(f"alias {version_or_alias!r} of {name!r} points to an invalid version {version!r}")
-    return version
+    try:
+        return version, registry.read(f"packages/{name}/{version}/{MANIFEST}")
+    except FileNotFoundError:
+        raise PackageError(f"alias {version_or_alias!r} of {name!r} points to a missing version {version!r}") from None
 
 
 def pull(
@@ -235,10 +236,12 @@ def pull(
     """
     if public_key is None:
         raise PackageError("pull needs the publisher's pinned public key")
+    for label, value in (("name", name), ("version", version_or_alias)):
+        if not SAFE_NAME.fullmatch(value) or value in (".", ".."):
+            raise PackageError(f"package {label} {value!r} may use only letters, digits, '.', '_' and '-'")
     source = Registry.open(registry)
-    version = resolve_version(source, name, version_or_alias)
+    version, raw_manifest = read_release(source, name, version_or_alias)
     prefix = f"packages/{name}/{version}"
-    raw_manifest = source.read(f"{prefix}/{MANIFEST}")
     manifest = _trusted_manifest(raw_manifest, name, version, public_key)
     level = None if max_level is None else manifest.elastic.level(max_level).name
     if level is not None and level == manifest.elastic.levels[-1].name:

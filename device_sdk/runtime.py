@@ -123,8 +123,12 @@ class ElasticModel:
             path = self.package_dir / level.adapter
             with safe_open(str(path), framework="pt") as handle:
                 meta = handle.metadata() or {}
-                scale = float(meta.get("scale", float(meta["alpha"]) / float(meta["rank"]) if "alpha" in meta
-                                       else LORA_SCALE_DEFAULT))
+                if "scale" in meta:
+                    scale = float(meta["scale"])
+                elif "alpha" in meta:
+                    scale = float(meta["alpha"]) / float(meta["rank"])
+                else:
+                    scale = LORA_SCALE_DEFAULT
                 tensors = {_lora_key(k): handle.get_tensor(k).float() for k in handle.keys()}
             pairs = {}
             for key, a in tensors.items():

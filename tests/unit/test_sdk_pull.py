@@ -177,6 +177,8 @@ def test_sdk_wrong_key_is_refused_before_download(registry, tmp_path):
         pull("tiny", "1.0.0", registry=registry, public_key=None, cache_dir=tmp_path)
     with pytest.raises(PackageError, match="no version or alias"):
         pull("tiny", "9.9.9", registry=registry, public_key=public_bytes(KEY), cache_dir=tmp_path)
+    with pytest.raises(PackageError, match="may use only"):
+        pull("../tiny", "1.0.0", registry=registry, public_key=public_bytes(KEY), cache_dir=tmp_path)
 
 
 def test_sdk_partial_pull_fetches_only_the_needed_bytes(http_registry, registry, tmp_path):
