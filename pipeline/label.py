@@ -304,14 +304,11 @@ def derive_labels(correct: torch.Tensor, prompt_tokens: torch.Tensor, meta: dict
 
 
 def load_profile(inputs: dict[str, Path]) -> LatencyProfile:
-    from pipeline.latency import profile_from_manifest
+    """The cost model from a `latency` stage report when given, else from the package's manifest."""
+    from pipeline.latency import profile_from_dict, profile_from_manifest
 
     if "latency" in inputs:
-        from device_sdk.latency import LevelLatency
-
-        data = dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])
-        data["levels"] = {k: LevelLatency(**v) for k, v in data["levels"].items()}
-        return LatencyProfile(**data)
+        return profile_from_dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])
     return profile_from_manifest(read_manifest(inputs["package"]))
 
 

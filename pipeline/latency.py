@@ -173,12 +173,16 @@ def latency_profile_dict(profile: LatencyProfile) -> dict:
     return asdict(profile)
 
 
+def profile_from_dict(data: dict) -> LatencyProfile:
+    data = dict(data)
+    data["levels"] = {name: LevelLatency(**entry) for name, entry in data["levels"].items()}
+    return LatencyProfile(**data)
+
+
 def profile_from_manifest(manifest: Manifest) -> LatencyProfile:
     if not manifest.latency_profile:
         raise LatencyError("the package has no latency_profile; run the latency stage first")
-    data = dict(manifest.latency_profile)
-    data["levels"] = {name: LevelLatency(**entry) for name, entry in data["levels"].items()}
-    return LatencyProfile(**data)
+    return profile_from_dict(manifest.latency_profile)
 
 
 # --------------------------------------------------------------------------- feasibility (used by label, bench)
