@@ -178,8 +178,13 @@ class Manifest:
             raise PackageError("elastic unit counts must have one entry per layer")
         if not el.levels:
             raise PackageError("elastic.levels is empty")
-        previous = 0.0
+        previous, below = 0.0, None
         for level in el.levels:
+            if below is not None and any(
+                a < b for a, b in zip(level.attn_units + level.mlp_units, below.attn_units + below.mlp_units, strict=True)
+            ):
+                raise PackageError(f"level {level.name} keeps fewer units than level {below.name} in some layer")
+            below = level
             if not previous < level.ratio <= 1.0:
                 raise PackageError(f"level ratios must increase within (0, 1]; got {level.ratio} after {previous}")
             previous = level.ratio

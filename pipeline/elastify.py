@@ -4,8 +4,8 @@ After this stage every elastic tensor is stored unit-major (o_proj and down_proj
 units sorted by descending importance, so every level is a contiguous prefix of every tensor.
 
 A level is a target fraction m of the decoder's elastic parameters. Anchor layers never
-shrink, so the other layers keep `(m·L − A) / (L − A)` of their units (A anchors out of L
-layers) — the ElastiLM rule, which keeps a level's size honest when anchors are on.
+shrink, so the other layers keep `(m·L − A) / (L − A)` of their parameters (A anchors out of
+L layers), as in ElastiLM: a level's size stays honest whether anchors are on or off.
 """
 
 from __future__ import annotations
@@ -108,28 +108,55 @@ def kept_units(total: int, keep_ratio: float, min_units: int, align: int = 1) ->
     return min(total, max(kept, min_units, step))
 
 
-def active_params(arch: Architecture, attn_units: list[int], mlp_units: list[int]) -> int:
-    """Parameters multiplied per token: kept decoder weights, norms and the LM head."""
+def unit_params(arch: Architecture) -> tuple[int, int]:
+    """Parameters in one KV group (q/k/v rows, o columns, biases) and in one MLP neuron."""
     h, hd, n_rep = arch.hidden, arch.head_dim, arch.n_rep
     per_group = h * hd * (2 * n_rep + 2) + (hd * (n_rep + 2) if arch.attention_bias else 0)
     per_neuron = 3 * h + (2 if arch.mlp_bias else 0)
-    total = arch.vocab * h + h  # LM head + final norm
+    return per_group, per_neuron
+
+
+def active_params(arch: Architecture, attn_units: list[int], mlp_units: list[int]) -> int:
+    """Parameters multiplied per token: kept decoder weights, norms and the LM head."""
+    per_group, per_neuron = unit_params(arch)
+    total = arch.vocab * arch.hidden + arch.hidden  # LM head + final norm
     for groups, neurons in zip(attn_units, mlp_units, strict=True):
-        total += groups * per_group + neurons * per_neuron + 2 * h
+        total += groups * per_group + neurons * per_neuron + 2 * arch.hidden
     return total
 
 
+def layer_widths(arch: Architecture, keep: float, settings: ElastifySettings) -> tuple[int, int]:
+    """(KV groups, neurons) holding `keep` of one layer's elastic parameters.
+
+    Attention moves in whole KV groups (SmolLM2 has only 3), so it is rounded first and the
+    MLP, which moves in `align`-neuron steps, takes up the rest of the layer's budget.
+    """
+    if keep >= 1.0:
+        return arch.kv_heads, arch.intermediate
+    per_group, per_neuron = unit_params(arch)
+    groups = kept_units(arch.kv_heads, keep, settings.min_units)
+    budget = keep * (arch.kv_heads * per_group + arch.intermediate * per_neuron) - groups * per_group
+    neuron_ratio = max(0.0, budget) / (per_neuron * arch.intermediate)
+    return groups, kept_units(arch.intermediate, min(neuron_ratio, 1.0), settings.min_units, settings.align)
+
+
 def level_table(arch: Architecture, anchors: list[int], settings: ElastifySettings) -> list[Level]:
+    """Per-level kept units. Level m targets m of the decoder's elastic parameters; anchors
+    stay whole, so the other layers keep (m·L − A)/(L − A) each. A layer never keeps fewer
+    units at a higher level, so every level's units are a prefix of the next level's."""
     n_layers, n_anchor = arch.layers, len(anchors)
     full = active_params(arch, [arch.kv_heads] * n_layers, [arch.intermediate] * n_layers)
-    levels = []
+    levels: list[Level] = []
     for ratio in settings.levels:
         keep = 1.0 if ratio >= 1.0 else max(0.0, (ratio * n_layers - n_anchor) / (n_layers - n_anchor))
         attn, mlp = [], []
         for layer in range(n_layers):
-            layer_keep = 1.0 if layer in anchors else keep
-            attn.append(kept_units(arch.kv_heads, layer_keep, settings.min_units))
-            mlp.append(kept_units(arch.intermediate, layer_keep, settings.min_units, settings.align))
+            groups, neurons = layer_widths(arch, 1.0 if layer in anchors else keep, settings)
+            if levels:  # nest: at least what the level below keeps
+                groups = max(groups, levels[-1].attn_units[layer])
+                neurons = max(neurons, levels[-1].mlp_units[layer])
+            attn.append(groups)
+            mlp.append(neurons)
         count = active_params(arch, attn, mlp)
         levels.append(
             Level(

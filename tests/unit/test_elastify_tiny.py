@@ -185,3 +185,21 @@ def test_level_table_rules():
 def test_bad_settings_are_refused(settings, message):
     with pytest.raises(ElastifyError, match=message.replace("(", r"\(").replace("]", r"\]")):
         ElastifySettings(**settings).validate()
+
+
+def test_levels_hit_their_parameter_budget_with_or_without_anchors():
+    """On SmolLM2's shape (3 KV groups: coarse attention steps) the MLP absorbs the rounding."""
+    from device_sdk.package import Architecture
+    from pipeline.elastify import unit_params
+
+    arch = Architecture(family="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,
+                        intermediate=1536, vocab=49152, norm_eps=1e-5, rope={"rope_theta": 1e5})
+    per_group, per_neuron = unit_params(arch)
+    layer_params = 3 * per_group + 1536 * per_neuron
+    for anchors in ([], [0, 1, 2, 11, 28, 29]):
+        levels = level_table(arch, anchors, ElastifySettings())
+        for level in levels[2:]:  # from 0.4 up; below that min_units floors dominate
+            elastic = sum(a * per_group + m * per_neuron for a, m in zip(level.attn_units, level.mlp_units, strict=True))
+            assert abs(elastic / (30 * layer_params) - level.ratio) < 0.02, (anchors, level.name)
+        for below, above in zip(levels, levels[1:], strict=False):
+            assert all(b <= a for b, a in zip(below.mlp_units + below.attn_units, above.mlp_units + above.attn_units, strict=True))
