@@ -418,7 +418,7 @@ def attach_level_adapters(model: ElasticCausalLM, package_dir: Path) -> list[str
         if level.adapter is None:
             continue
         with safe_open(str(Path(package_dir) / level.adapter), "pt") as handle:
-            scale = float(handle.metadata()["scale"])
+            scale = adapter_scale(handle.metadata() or {}, level.adapter)
             for key in handle.keys():
                 if key.endswith(".lora_A"):
                     base = key.removesuffix(".lora_A")
@@ -427,6 +427,15 @@ def attach_level_adapters(model: ElasticCausalLM, package_dir: Path) -> list[str
         loaded.append(level.name)
     model.lora_wrappers = list(wrappers.values())
     return loaded
+
+
+def adapter_scale(meta: dict[str, str], where: str) -> float:
+    """LoRA scale from an adapter's metadata: `scale`, else `alpha / rank` (both are what we write)."""
+    if "scale" in meta:
+        return float(meta["scale"])
+    if "alpha" in meta and "rank" in meta:
+        return float(meta["alpha"]) / float(meta["rank"])
+    raise RecoverError(f"{where} has neither `scale` nor `alpha` and `rank` in its metadata")
 
 
 def set_level_with_adapter(model: ElasticCausalLM, level: str) -> None:

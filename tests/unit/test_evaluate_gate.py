@@ -26,3 +26,25 @@ def test_evaluate_gate_fails_a_narrow_level_that_beats_a_wide_one_with_a_clear_m
     failures = gate_failures(card(30.0, 20.0, acc_half=0.70, acc_full=0.45), 0.02, None)
     assert len(failures) == 1 and "answers 0.700" in failures[0]
     assert gate_failures(card(30.0, 20.0, acc_half=0.50), 0.02, accuracy_noise=0.01)
+
+
+def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
+    import json
+
+    from pipeline import evaluate
+    from pipeline.stage import quiet_context
+    from tests.tiny import byte_tokenizer, tiny_model
+    from tests.unit.sdk_packages import add_recovery_adapters, build_package, signing_key
+
+    package = build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path / "pkg", signing_key(),
+                            levels=[0.5, 1.0])
+    add_recovery_adapters(package, signing_key())
+    settings = {"corpora": [str(calib_text)], "windows": 2, "window_length": 32, "tasks": ["arc_easy"], "items": 3,
+                "prompt_tokens": 16, "gate": False}
+    out = evaluate.run_card({"package": package}, settings, quiet_context(tmp_path / "card"))
+    card = json.loads(out["report_card"].read_text())
+    assert set(card["levels"]) == {"0.5", "1.0"}
+    for row in card["levels"].values():
+        assert row[f"ppl:{calib_text}"] > 1 and 0 <= row["accuracy"] <= 1
+        assert row["measured_ttft_ms"] > 0 and row["measured_tpot_ms"] > 0
+    assert card["gate"] == evaluate.gate_failures(card, 0.02, None)
