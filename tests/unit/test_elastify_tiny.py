@@ -7,7 +7,14 @@ import torch
 
 from device_sdk.elastic import ElasticLinear
 from pipeline.elastic_model import ElasticCausalLM
-from pipeline.elastify import ElastifyError, ElastifySettings, choose_anchors, elastify, kept_units, level_table
+from pipeline.elastify import (
+    ElastifyError,
+    ElastifySettings,
+    choose_anchors,
+    elastify,
+    kept_units,
+    level_table,
+)
 from pipeline.models import describe_architecture
 from pipeline.profile import ProfileSettings, profile
 from pipeline.stage import quiet_context
