@@ -1,0 +1,228 @@
+"""ElastiLM benchmark on SmolLM2: accuracy per SLO class for six policies, SLO violations, labelling throughput.
+
+Runs the offline chain as plain stage calls (no Ray): cheap profile → elastify → recover per
+level → latency → tlm-score → label (train items) → derive → tlm-decision (both label rules),
+then labels held-out items over the same grid so every policy's answer is a lookup:
+
+  ours            decision head (most-capable labels), highest joint log-prob feasible pair
+  lightest        the same head trained on "lightest correct" labels
+  llm-pruner      level = largest level <= the TTFT fraction, no compression
+  prompt-only     full model, the largest feasible prompt ratio
+  random          a random feasible pair
+  oracle          correct if any feasible pair is correct
+
+A policy whose pair is infeasible under the cost model counts one SLO violation.
+Throughput: grid points per second of one worker switching zero-copy vs. re-materialising
+the sub-model (reload + copy of the kept weights) per grid point.
+
+  .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from device_sdk.latency import SLO
+from device_sdk.package import read_manifest
+from pipeline import label, latency, recover, tlm
+from pipeline.label import SLO_CLASSES
+from pipeline.stage import StageContext
+
+
+def build_package(out: Path, levels: list[float], ctx: StageContext) -> Path:
+    from pipeline.assets import prepare_smollm2
+    from pipeline.elastify import ElastifySettings, elastify
+    from pipeline.models import load_model
+    from pipeline.profile import ProfileSettings, profile
+
+    loaded = load_model(prepare_smollm2())
+    importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
+                         ProfileSettings(windows=8, window_length=128, layer_method="block_influence"), ctx)
+    path = out / "package"
+    elastify(loaded.model, loaded.tokenizer, loaded.architecture, importance, ElastifySettings(levels=levels), path,
+             name="smollm2-bench", source=loaded.source, overwrite=True)
+    return path
+
+
+def policy_choice(policy, item_index, prompt, tokens, slo, ratios, levels, profile, correct, heads, rng):
+    """(ratio index, level index) a policy picks for one item under one SLO class."""
+    target = SLO.fraction(*slo)
+
+    def ok(r, m):
+        return latency.feasible(profile, levels[m], ratios[r], tokens, target)
+
+    pairs = [(r, m) for r in range(len(ratios)) for m in range(len(levels)) if ok(r, m)]
+    if policy in ("ours", "lightest"):
+        model, tok = heads[policy]
+        ratio, level, _ = tlm.decide(model, tok, prompt, slo[0], slo[1],
+                                     lambda r, m: latency.feasible(profile, m, r, tokens, target))
+        return ratios.index(ratio), levels.index(level)
+    if policy == "llm-pruner":
+        fitting = [m for m, name in enumerate(levels) if float(name) <= slo[0] + 1e-9] or [0]
+        return len(ratios) - 1, max(fitting)
+    if policy == "prompt-only":
+        full = len(levels) - 1
+        fitting = [r for r in range(len(ratios)) if ok(r, full)] or [0]
+        return max(fitting), full
+    if policy == "random":
+        return rng.choice(pairs) if pairs else (0, 0)
+    if policy == "oracle":
+        right = [p for p in pairs if correct[item_index, p[0], p[1]]]
+        return right[0] if right else (pairs[0] if pairs else (0, 0))
+    raise ValueError(policy)
+
+
+def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
+    """Grid points per second: one worker switching views vs. re-materialising per grid point."""
+    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.recover import attach_level_adapters, set_level_with_adapter
+
+    worker = label.LabelWorker(package, tlm_dir)
+    questions = {(i, r): worker.compress(it.question, ratio, ["?"]) for i, it in enumerate(items)
+                 for r, ratio in enumerate(ratios)}
+    start = time.perf_counter()
+    points = 0
+    for (i, _), question in questions.items():
+        for level in levels:
+            worker.set_level(level)
+            label.answer_correct(worker.model, worker.tokenizer, items[i], question)
+            points += 1
+    switching = points / (time.perf_counter() - start)
+    start, points = time.perf_counter(), 0
+    for (i, _), question in questions.items():
+        for level in levels:
+            model = ElasticCausalLM.from_package(package)  # reload the weights ...
+            attach_level_adapters(model, package)
+            set_level_with_adapter(model, level)
+            for module in model.elastic_linears():  # ... and materialise the level's own copy
+                module.storage = torch.nn.Parameter(module.active_weight.clone(), requires_grad=False)
+                module.max_units = module.units
+                module.set_width(module.units)
+            label.answer_correct(model, worker.tokenizer, items[i], question)
+            points += 1
+    rematerialise = points / (time.perf_counter() - start)
+    return {"switching_points_per_s": switching, "rematerialise_points_per_s": rematerialise,
+            "speedup": switching / rematerialise}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-elastilm"))
+    parser.add_argument("--levels", default="0.4,0.6,0.8,1.0")
+    parser.add_argument("--ratios", default="0.4,0.6,0.8,1.0")
+    parser.add_argument("--tasks", default="arc_easy,sciq")
+    parser.add_argument("--train-items", type=int, default=12, help="per task, for the decision labels")
+    parser.add_argument("--test-items", type=int, default=12, help="per task, held out")
+    parser.add_argument("--recover-steps", type=int, default=20)
+    parser.add_argument("--decision-steps", type=int, default=150)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reuse", action="store_true", help="reuse finished stage outputs under --out")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = StageContext(work_dir=args.out)
+    timings = {}
+
+    def stage(name, fn):
+        started = time.perf_counter()
+        result = fn()
+        timings[name] = round(time.perf_counter() - started, 1)
+        print(f"[{name}] {timings[name]} s", flush=True)
+        return result
+
+    levels = [float(x) for x in args.levels.split(",")]
+    ratios = [float(x) for x in args.ratios.split(",")]
+    tasks = args.tasks.split(",")
+    reuse = args.reuse and (args.out / "package" / "model").is_dir()
+    package = args.out / "package" if reuse else stage("elastify", lambda: build_package(args.out, levels, ctx))
+    level_names = [read_manifest(package).elastic.level(lv).name for lv in levels]
+    recovered = {}
+    for name in level_names[:-1]:
+        if reuse and (args.out / f"recover-{name}" / "recover.json").is_file():
+            recovered[name] = json.loads((args.out / f"recover-{name}" / "recover.json").read_text())
+            continue
+        settings = {"level": name, "steps": args.recover_steps, "batch_size": 2, "seq_len": 128, "eval_windows": 8,
+                    "lr": 5e-4, "warmup_steps": 2}
+        outputs = stage(f"recover {name}", lambda n=name, s=settings: recover.run(
+            {"package": package}, s, StageContext(work_dir=args.out / f"recover-{n}")))
+        recovered[name] = json.loads(Path(outputs["metrics"]).read_text())
+        recover.install_adapters(package, {name: outputs["adapter"]})
+    if not (reuse and read_manifest(package).latency_profile):
+        lat = stage("latency", lambda: latency.run({"package": package}, {"prompt_lengths": [32, 128], "repeats": 2},
+                                                   StageContext(work_dir=args.out / "latency"))["latency"])
+        latency.apply_latency(package, json.loads(Path(lat).read_text()))
+    score = args.out / "tlm-score" / "tlm"
+    if not (reuse and score.is_dir()):
+        score = stage("tlm-score", lambda: tlm.run_score(
+            {"package": package}, {"passages": 48, "passage_words": 80, "steps": 120, "lr": 1e-4},
+            StageContext(work_dir=args.out / "tlm-score")))["tlm"]
+
+    def sweep(name, start, per_task):
+        shards = {}
+        for index, task in enumerate(tasks):
+            done = args.out / f"{name}-{task}"
+            if reuse and (done / "correctness.json").is_file():
+                shards[f"correctness:{index}"] = done / "correctness.safetensors"
+                shards[f"meta:{index}"] = done / "correctness.json"
+                continue
+            settings = {"tasks": [task], "start": start, "stop": start + per_task, "per_task": None, "ratios": ratios}
+            out = label.run({"package": package, "tlm": score}, settings,
+                            StageContext(work_dir=args.out / f"{name}-{task}"))
+            shards[f"correctness:{index}"], shards[f"meta:{index}"] = out["correctness"], out["meta"]
+        return shards
+
+    train_shards = stage("label train", lambda: sweep("label-train", 0, args.train_items))
+    labels_path = label.run_derive({"package": package, **train_shards}, {},
+                                   StageContext(work_dir=args.out / "derive"))["labels"]
+    heads = {}
+    for policy, rule in (("ours", "capable"), ("lightest", "lightest")):
+        out = stage(f"tlm-decision {rule}", lambda r=rule: tlm.run_decision(
+            {"tlm": score, "labels": labels_path}, {"rule": r, "steps": args.decision_steps, "batch_size": 8},
+            StageContext(work_dir=args.out / f"decision-{r}")))
+        heads[policy] = tlm.load_tlm(out["tlm"])
+    test_shards = stage("label held-out", lambda: sweep("label-test", 300, args.test_items))
+    keys = sorted(k.split(":")[1] for k in test_shards if k.startswith("correctness:"))
+    correct, tokens, meta = label.load_shards([(test_shards[f"correctness:{k}"], test_shards[f"meta:{k}"])
+                                               for k in keys])
+    profile = latency.profile_from_manifest(read_manifest(package))
+    rng = random.Random(0)
+    policies = ["ours", "llm-pruner", "prompt-only", "random", "oracle", "lightest"]
+    table = {}
+    for slo in SLO_CLASSES:
+        row = {}
+        for policy in policies:
+            hits = violations = 0
+            for i, item in enumerate(meta["items"]):
+                r, m = policy_choice(policy, i, item["prompt"], int(tokens[i]), slo, meta["ratios"], meta["levels"],
+                                     profile, correct, heads, rng)
+                hits += bool(correct[i, r, m])
+                ok = latency.feasible(profile, meta["levels"][m], meta["ratios"][r], int(tokens[i]), SLO.fraction(*slo))
+                violations += not ok
+            row[policy] = {"accuracy": hits / len(meta["items"]), "violations": violations}
+        table[str(slo)] = row
+    items = label.load_items(tasks[:1], 300, 302)
+    speed = stage("throughput", lambda: throughput(package, score, items, ratios[:2], level_names))
+    results = {"recover": {k: {"before": v["eval_loss_before"], "after": v["eval_loss_after"]}
+                           for k, v in recovered.items()},
+               "grid_accuracy": correct.float().mean(0).tolist(), "ratios": meta["ratios"], "levels": meta["levels"],
+               "held_out_items": len(meta["items"]), "slo_table": table, "throughput": speed, "timings_s": timings}
+    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print("\nrecovery eval loss (before -> after):")
+    for name, v in results["recover"].items():
+        print(f"  level {name}: {v['before']:.3f} -> {v['after']:.3f}")
+    print(f"\naccuracy per SLO class on {len(meta['items'])} held-out items (violations in brackets)")
+    print("SLO (ttft,tpot) | " + " | ".join(f"{p:>12}" for p in policies))
+    for slo, row in table.items():
+        print(f"{slo:>15} | " + " | ".join(f"{row[p]['accuracy']:>7.3f} [{row[p]['violations']}]" for p in policies))
+    print(f"\nlabelling throughput: {speed['switching_points_per_s']:.2f} vs {speed['rematerialise_points_per_s']:.2f} "
+          f"grid points/s (x{speed['speedup']:.1f})")
+
+
+if __name__ == "__main__":
+    main()
