@@ -1,6 +1,6 @@
 """ElasticLinear at width w against a dense nn.Linear of the reduced shape (goal ≤ 1.03×).
 
-    .venv/bin/python bench/bench_elastic_linear.py [--repeats 30]
+    .venv/bin/python bench/bench_elastic_linear.py [--repeats 30] [--threads 1]
 
 Shapes: SmolLM2's projections (q/k row units, o/down column units, gate row units) and a
 4096×11008 MLP pair. Prefill is 256 tokens, decode 1 token. The dense baseline holds a
@@ -52,7 +52,9 @@ def cases_for(axis: str, rows: int, other: int, unit: int, fraction: float, toke
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 keeps a shared machine's noise out")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     rows = []
     for name, axis, stored, other, unit in SHAPES:
         for fraction in WIDTHS:

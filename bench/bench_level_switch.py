@@ -26,7 +26,9 @@ LEVELS = ["0.3", "0.5", "0.7", "0.9"]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the copies")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     loaded = load_model(prepare_smollm2())
     arch = loaded.architecture
     # The switch cost does not depend on which units come first, so any order will do.
