@@ -60,9 +60,10 @@ def policy_choice(policy, item_index, prompt, tokens, slo, ratios, levels, profi
     pairs = [(r, m) for r in range(len(ratios)) for m in range(len(levels)) if ok(r, m)]
     if policy in ("ours", "lightest"):
         model, tok = heads[policy]
-        ratio, level, _ = tlm.decide(model, tok, prompt, slo[0], slo[1],
-                                     lambda r, m: latency.feasible(profile, m, r, tokens, target))
-        return ratios.index(ratio), levels.index(level)
+        # only pairs on the labelled grid (the TLM's ratio classes may be a superset of it)
+        ratio, level, feasible_found = tlm.decide(model, tok, prompt, slo[0], slo[1],
+                                     lambda r, m: r in ratios and latency.feasible(profile, m, r, tokens, target))
+        return (ratios.index(ratio), levels.index(level)) if feasible_found else (0, 0)
     if policy == "llm-pruner":
         fitting = [m for m, name in enumerate(levels) if float(name) <= slo[0] + 1e-9] or [0]
         return len(ratios) - 1, max(fitting)
