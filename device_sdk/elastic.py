@@ -71,17 +71,22 @@ class ElasticLinear(nn.Module):
         return self.units * self.unit_size
 
     def set_width(self, units: int) -> None:
+        self.apply_width(self.prepare_width(units))
+
+    def prepare_width(self, units: int) -> tuple:
+        """The views for `units`, made once so that a later switch is three attribute writes."""
         if not 0 <= units <= self.max_units:
             raise ValueError(f"width {units} is outside 0..{self.max_units} units")
         rows = units * self.unit_size
         bias = self.bias
-        # Leading slices of contiguous storage: views, never copies. Plain attributes are
-        # written to __dict__ directly: nn.Module.__setattr__'s registry checks would double
+        # Leading slices of contiguous storage: views, never copies.
+        return units, self.storage[:rows], bias[:rows] if bias is not None and self.unit_axis == "out" else bias
+
+    def apply_width(self, prepared: tuple) -> None:
+        # Written to __dict__ directly: nn.Module.__setattr__'s registry checks would double
         # the cost of a whole-model switch (~200 of these calls).
         state = self.__dict__
-        state["units"] = units
-        state["active_weight"] = self.storage[:rows]
-        state["active_bias"] = bias[:rows] if bias is not None and self.unit_axis == "out" else bias
+        state["units"], state["active_weight"], state["active_bias"] = prepared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

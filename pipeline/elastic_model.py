@@ -54,6 +54,31 @@ class ElasticCausalLM(nn.Module):
             for proj in MLP_PROJ:
                 setattr(layer.mlp, proj, _elastic(tensors, f"model.layers.{index}.mlp.{proj}", 1))
         self.level: str | None = None
+        self._switch_plans = {level.name: self._plan(level.attn_units, level.mlp_units) for level in elastic.levels}
+
+    def _plan(self, attn_units: list[int], mlp_units: list[int]) -> list:
+        """Every write a switch to these widths makes, with its views already sliced."""
+        if len(attn_units) != self.arch.layers or len(mlp_units) != self.arch.layers:
+            raise ValueError(f"need one width per layer ({self.arch.layers})")
+        plan = []
+        for layer, groups, neurons in zip(self.hf.model.layers, attn_units, mlp_units, strict=True):
+            shim = layer.self_attn
+            plan.append((shim.__dict__, "units", groups))
+            for proj in ATTN_PROJ:
+                linear = getattr(shim.inner, proj)
+                plan.append((linear, None, linear.prepare_width(groups)))
+            for proj in MLP_PROJ:
+                linear = getattr(layer.mlp, proj)
+                plan.append((linear, None, linear.prepare_width(neurons)))
+        return plan
+
+    @staticmethod
+    def _apply(plan: list) -> None:
+        for target, attribute, value in plan:
+            if attribute is None:
+                target.apply_width(value)
+            else:
+                target[attribute] = value
 
     # -- construction ------------------------------------------------------------------
 
@@ -84,20 +109,13 @@ class ElasticCausalLM(nn.Module):
 
     def set_widths(self, attn_units: list[int], mlp_units: list[int]) -> None:
         """Per-layer widths in units; O(layers), no weight data is copied."""
-        if len(attn_units) != self.arch.layers or len(mlp_units) != self.arch.layers:
-            raise ValueError(f"need one width per layer ({self.arch.layers})")
-        for layer, groups, neurons in zip(self.hf.model.layers, attn_units, mlp_units, strict=True):
-            shim = layer.self_attn
-            for proj in ATTN_PROJ:
-                getattr(shim.inner, proj).set_width(groups)
-            shim.units = groups
-            for proj in MLP_PROJ:
-                getattr(layer.mlp, proj).set_width(neurons)
+        self._apply(self._plan(attn_units, mlp_units))
         self.level = None
 
     def set_level(self, level: str | float) -> None:
+        """Switch every layer to a level of the manifest: precomputed views, a few µs per layer."""
         chosen = self.elastic.level(level)
-        self.set_widths(chosen.attn_units, chosen.mlp_units)
+        self._apply(self._switch_plans[chosen.name])
         self.level = chosen.name
 
     def elastic_linears(self) -> list[ElasticLinear]:
