@@ -10,6 +10,10 @@ Two forms share one class:
 Either way the active weight is a contiguous leading slice, so `set_width` moves a view
 and copies nothing; width 0 yields zeros of the right shape.
 
+A whole model can also bind its layers to one `LevelCursor` with each layer's views for every
+manifest level prepared up front: switching the model's level is then one integer write,
+like the global level index of mllm's elastic kernels.
+
 By default `forward` runs torch on fp32 storage. `use_kernel` routes it through a kernel
 from `device_sdk.kernels` instead (native C++/OpenMP, or its torch reference), which also
 accepts fp16 storage and int8 storage with per-output-channel `scales`.
@@ -24,6 +28,16 @@ import torch.nn.functional as F
 from torch import nn
 
 UnitAxis = Literal["out", "in"]
+Width = tuple  # (units, weight view, bias view), as made by ElasticLinear.prepare_width
+
+
+class LevelCursor:
+    """The level index a model's bound layers run at; -1 means each layer's own set_width."""
+
+    __slots__ = ("index",)
+
+    def __init__(self) -> None:
+        self.index = -1
 
 
 class ElasticLinear(nn.Module):
@@ -49,6 +63,8 @@ class ElasticLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.scales: torch.Tensor | None = None  # int8 storage: one fp32 scale per output channel
         self.kernel = None  # callable(x, layer) -> y, set by use_kernel
+        self.cursor: LevelCursor | None = None
+        self.level_widths: list[Width] = []
         self.set_width(self.max_units)
 
     def use_kernel(self, kernel, scales: torch.Tensor | None = None) -> None:
@@ -70,11 +86,30 @@ class ElasticLinear(nn.Module):
     def active_rows(self) -> int:
         return self.units * self.unit_size
 
+    @property
+    def width(self) -> Width:
+        cursor = self.cursor
+        if cursor is not None and cursor.index >= 0:
+            return self.level_widths[cursor.index]
+        return self.own_width
+
+    @property
+    def units(self) -> int:
+        return self.width[0]
+
+    @property
+    def active_weight(self) -> torch.Tensor:
+        return self.width[1]
+
+    @property
+    def active_bias(self) -> torch.Tensor | None:
+        return self.width[2]
+
     def set_width(self, units: int) -> None:
         self.apply_width(self.prepare_width(units))
 
-    def prepare_width(self, units: int) -> tuple:
-        """The views for `units`, made once so that a later switch is three attribute writes."""
+    def prepare_width(self, units: int) -> Width:
+        """The views for `units`, made once so that a later switch only swaps references."""
         if not 0 <= units <= self.max_units:
             raise ValueError(f"width {units} is outside 0..{self.max_units} units")
         rows = units * self.unit_size
@@ -82,21 +117,28 @@ class ElasticLinear(nn.Module):
         # Leading slices of contiguous storage: views, never copies.
         return units, self.storage[:rows], bias[:rows] if bias is not None and self.unit_axis == "out" else bias
 
-    def apply_width(self, prepared: tuple) -> None:
+    def apply_width(self, prepared: Width) -> None:
+        if self.cursor is not None and self.cursor.index >= 0:
+            raise ValueError("this layer follows its model's level; switch widths through the model")
         # Written to __dict__ directly: nn.Module.__setattr__'s registry checks would double
         # the cost of a whole-model switch (~200 of these calls).
-        state = self.__dict__
-        state["units"], state["active_weight"], state["active_bias"] = prepared
+        self.__dict__["own_width"] = prepared
+
+    def bind_levels(self, cursor: LevelCursor, units_per_level: list[int]) -> None:
+        """Follow `cursor`: at index i this layer runs `units_per_level[i]` units."""
+        self.level_widths = [self.prepare_width(units) for units in units_per_level]
+        self.cursor = cursor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x, self)
+        units, weight, bias = self.width
         if self.unit_axis == "out":
-            return F.linear(x, self.active_weight, self.active_bias)
-        if x.shape[-1] != self.active_rows:
-            raise ValueError(f"input has {x.shape[-1]} features, the active width needs {self.active_rows}")
-        y = torch.matmul(x, self.active_weight)
-        return y if self.active_bias is None else y + self.active_bias
+            return F.linear(x, weight, bias)
+        if x.shape[-1] != weight.shape[0]:
+            raise ValueError(f"input has {x.shape[-1]} features, the active width needs {weight.shape[0]}")
+        y = torch.matmul(x, weight)
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         return (

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from device_sdk.elastic import ElasticLinear
+from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.package import WEIGHTS, Architecture, Elastic, Manifest, read_manifest
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -28,10 +28,12 @@ class ElasticAttention(nn.Module):
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.units = inner.q_proj.max_units
+        # The q projection's width says whether attention runs at all. Held outside the module
+        # registry: `inner` owns it, and a LoRA wrapper may later take its place there.
+        self.__dict__["width_source"] = inner.q_proj
 
     def forward(self, hidden_states, *args, **kwargs):
-        if self.units == 0:
+        if self.__dict__["width_source"].units == 0:
             return torch.zeros_like(hidden_states), None
         return self.inner(hidden_states, *args, **kwargs)
 
@@ -53,32 +55,17 @@ class ElasticCausalLM(nn.Module):
             layer.self_attn = ElasticAttention(attn)
             for proj in MLP_PROJ:
                 setattr(layer.mlp, proj, _elastic(tensors, f"model.layers.{index}.mlp.{proj}", 1))
-        self.level: str | None = None
-        self._switch_plans = {level.name: self._plan(level.attn_units, level.mlp_units) for level in elastic.levels}
-
-    def _plan(self, attn_units: list[int], mlp_units: list[int]) -> list:
-        """Every write a switch to these widths makes, with its views already sliced."""
-        if len(attn_units) != self.arch.layers or len(mlp_units) != self.arch.layers:
-            raise ValueError(f"need one width per layer ({self.arch.layers})")
-        plan = []
-        for layer, groups, neurons in zip(self.hf.model.layers, attn_units, mlp_units, strict=True):
-            shim = layer.self_attn
-            plan.append((shim.__dict__, "units", groups))
+        self.__dict__["level"] = None  # name of the current level; None after set_widths
+        # Every layer prepares its views for every level now, so set_level is one write.
+        self.cursor = LevelCursor()
+        self.level_index = {level.name: i for i, level in enumerate(elastic.levels)}
+        for index, layer in enumerate(model.model.layers):
+            groups = [level.attn_units[index] for level in elastic.levels]
+            neurons = [level.mlp_units[index] for level in elastic.levels]
             for proj in ATTN_PROJ:
-                linear = getattr(shim.inner, proj)
-                plan.append((linear, None, linear.prepare_width(groups)))
+                getattr(layer.self_attn.inner, proj).bind_levels(self.cursor, groups)
             for proj in MLP_PROJ:
-                linear = getattr(layer.mlp, proj)
-                plan.append((linear, None, linear.prepare_width(neurons)))
-        return plan
-
-    @staticmethod
-    def _apply(plan: list) -> None:
-        for target, attribute, value in plan:
-            if attribute is None:
-                target.apply_width(value)
-            else:
-                target[attribute] = value
+                getattr(layer.mlp, proj).bind_levels(self.cursor, neurons)
 
     # -- construction ------------------------------------------------------------------
 
@@ -109,14 +96,21 @@ class ElasticCausalLM(nn.Module):
 
     def set_widths(self, attn_units: list[int], mlp_units: list[int]) -> None:
         """Per-layer widths in units; O(layers), no weight data is copied."""
-        self._apply(self._plan(attn_units, mlp_units))
-        self.level = None
+        if len(attn_units) != self.arch.layers or len(mlp_units) != self.arch.layers:
+            raise ValueError(f"need one width per layer ({self.arch.layers})")
+        self.cursor.index = -1
+        for layer, groups, neurons in zip(self.hf.model.layers, attn_units, mlp_units, strict=True):
+            for proj in ATTN_PROJ:
+                getattr(layer.self_attn.inner, proj).set_width(groups)
+            for proj in MLP_PROJ:
+                getattr(layer.mlp, proj).set_width(neurons)
+        self.__dict__["level"] = None
 
     def set_level(self, level: str | float) -> None:
-        """Switch every layer to a level of the manifest: precomputed views, a few µs per layer."""
-        chosen = self.elastic.level(level)
-        self._apply(self._switch_plans[chosen.name])
-        self.level = chosen.name
+        """Switch every layer to a level of the manifest: one write, O(1)."""
+        name = level if level in self.level_index else self.elastic.level(level).name
+        self.cursor.index = self.level_index[name]
+        self.__dict__["level"] = name  # skips nn.Module.__setattr__'s checks on this hot path
 
     def elastic_linears(self) -> list[ElasticLinear]:
         return [m for m in self.hf.modules() if isinstance(m, ElasticLinear)]

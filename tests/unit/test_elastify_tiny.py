@@ -210,3 +210,19 @@ def test_levels_hit_their_parameter_budget_with_or_without_anchors():
             assert abs(elastic / (30 * layer_params) - level.ratio) < 0.02, (anchors, level.name)
         for below, above in zip(levels, levels[1:], strict=False):
             assert all(b <= a for b, a in zip(below.mlp_units + below.attn_units, above.mlp_units + above.attn_units, strict=True))
+
+
+def test_level_switch_is_one_write_and_per_layer_widths_still_work(profiled):
+    _, model, arch, importance = profiled
+    elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
+    level = elastic.elastic.level("0.5")
+    elastic.set_level("0.5")
+    linears = elastic.elastic_linears()
+    assert {lin.cursor for lin in linears} == {elastic.cursor}
+    assert [lin.units for lin in linears[:7]] == [level.attn_units[0]] * 4 + [level.mlp_units[0]] * 3
+    with pytest.raises(ValueError, match="follows its model's level"):
+        linears[0].set_width(1)
+    elastic.set_widths([1] * arch.layers, [8] * arch.layers)
+    assert elastic.level is None and all(lin.units in (1, 8) for lin in linears)
+    elastic.set_level("1.0")
+    assert all(lin.units == lin.max_units for lin in linears)
