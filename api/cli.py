@@ -9,7 +9,6 @@ from api.commands import cluster, local
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Elastify: build elastic LLM packages.")
 app.add_typer(local.assets_app, name="assets")
 app.command("elastify")(local.elastify_command)
-app.command("demo")(local.demo)
 cluster.mount(app)
 
 

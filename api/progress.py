@@ -1,16 +1,24 @@
-"""Rich progress bars for stage progress, plus log lines through the same StageContext."""
+"""Console output for the CLI: rich progress bars for stage progress, logging, and error exits."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import NoReturn
 
+import typer
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True)
+
+
+def fail(message: str) -> NoReturn:
+    """Print a clear error and exit non-zero (2: bad input)."""
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code=2)
 
 
 def configure_logging(level: int = logging.INFO) -> None:

@@ -7,7 +7,6 @@ MLP adds nothing to the residual stream. The pipeline evaluates sub-models with 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -46,26 +45,25 @@ class ElasticCausalLM(nn.Module):
         self.hf = model
         self.arch = arch
         self.elastic = elastic
+        self.__dict__["level"] = None  # name of the current level; None after set_widths
+        # Every layer prepares its views for every level up front, so set_level is one write.
+        self.cursor = LevelCursor()
+        self.level_index = {level.name: i for i, level in enumerate(elastic.levels)}
         q_rows = arch.n_rep * arch.head_dim
         unit_rows = {"q_proj": q_rows, "k_proj": arch.head_dim, "v_proj": arch.head_dim, "o_proj": q_rows}
         for index, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            for proj in ATTN_PROJ:
-                setattr(attn, proj, _elastic(tensors, f"model.layers.{index}.self_attn.{proj}", unit_rows[proj]))
-            layer.self_attn = ElasticAttention(attn)
-            for proj in MLP_PROJ:
-                setattr(layer.mlp, proj, _elastic(tensors, f"model.layers.{index}.mlp.{proj}", 1))
-        self.__dict__["level"] = None  # name of the current level; None after set_widths
-        # Every layer prepares its views for every level now, so set_level is one write.
-        self.cursor = LevelCursor()
-        self.level_index = {level.name: i for i, level in enumerate(elastic.levels)}
-        for index, layer in enumerate(model.model.layers):
             groups = [level.attn_units[index] for level in elastic.levels]
             neurons = [level.mlp_units[index] for level in elastic.levels]
+            attn = layer.self_attn
             for proj in ATTN_PROJ:
-                getattr(layer.self_attn.inner, proj).bind_levels(self.cursor, groups)
+                linear = _elastic(tensors, f"model.layers.{index}.self_attn.{proj}", unit_rows[proj])
+                linear.bind_levels(self.cursor, groups)
+                setattr(attn, proj, linear)
+            layer.self_attn = ElasticAttention(attn)
             for proj in MLP_PROJ:
-                getattr(layer.mlp, proj).bind_levels(self.cursor, neurons)
+                linear = _elastic(tensors, f"model.layers.{index}.mlp.{proj}", 1)
+                linear.bind_levels(self.cursor, neurons)
+                setattr(layer.mlp, proj, linear)
 
     # -- construction ------------------------------------------------------------------
 
@@ -144,7 +142,3 @@ def _check_materialised(model: nn.Module) -> None:
     meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise ValueError(f"package is missing tensors for: {meta[:5]}{' …' if len(meta) > 5 else ''}")
-
-
-def read_config(package_dir: Path) -> dict:
-    return json.loads((Path(package_dir) / "model" / "config.json").read_text())

@@ -10,15 +10,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from api.progress import configure_logging, console, progress_bars
+from api.progress import configure_logging, console, fail, progress_bars
 
 build_app = typer.Typer(no_args_is_help=True, help="Submit, follow and cancel builds.")
 log = logging.getLogger("elastify")
-
-
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(code=2)
 
 
 def _sessions(settings):
@@ -62,7 +57,7 @@ def build_submit(
     try:
         build_id = submit_build(_sessions(Settings.from_env()), parse_spec(spec), builtin_registry(), tenant, idempotency_key)
     except SpecError as err:
-        _fail(str(err))
+        fail(str(err))
         return
     print(build_id)  # stdout, for scripts
 
@@ -76,7 +71,7 @@ def build_status(build_id: str) -> None:
     try:
         print(json.dumps(build_summary(_sessions(Settings.from_env()), build_id), indent=2, default=str))
     except KeyError as err:
-        _fail(str(err))
+        fail(str(err))
 
 
 @build_app.command("cancel")
@@ -88,7 +83,7 @@ def build_cancel(build_id: str) -> None:
     try:
         console.print(cancel_build(_sessions(Settings.from_env()), build_id))
     except KeyError as err:
-        _fail(str(err))
+        fail(str(err))
 
 
 def usage(by: str = typer.Option("build", help="build, stage_type, tenant or day")) -> None:
@@ -100,7 +95,7 @@ def usage(by: str = typer.Option("build", help="build, stage_type, tenant or day
         try:
             rows = rollup(session, by)
         except ValueError as err:
-            _fail(str(err))
+            fail(str(err))
             return
     table = Table(title=f"usage by {by}")
     for column in (by, "attempts", "wall s", "cpu s", "gpu s"):
@@ -115,6 +110,7 @@ def mount(app: typer.Typer) -> None:
     app.command("up")(up)
     app.add_typer(build_app, name="build")
     app.command("usage")(usage)
+    app.command("demo")(embedded_demo)
 
 
 # --------------------------------------------------------------------------- the demo
@@ -188,7 +184,7 @@ def embedded_demo() -> None:
         store = scheduler.store
     _stage_table(summary)
     if summary["status"] != "succeeded":
-        _fail(f"build {build_id} {summary['status']}: {summary['error']}")
+        fail(f"build {build_id} {summary['status']}: {summary['error']}")
     prefix = package_prefix(spec.publish.name, spec.publish.version)
     where = store.local_path(prefix) or f"{settings.store_url}/{prefix}"
     console.print(f"package {spec.publish.name} {spec.publish.version}: {where}")

@@ -1,4 +1,4 @@
-"""Commands that run pipeline stages in this process: `assets prepare`, `elastify`, `demo`."""
+"""Commands that run pipeline stages in this process: `assets prepare` and `elastify`."""
 
 from __future__ import annotations
 
@@ -9,15 +9,10 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from api.progress import configure_logging, console, progress_bars
+from api.progress import configure_logging, console, fail, progress_bars
 
 assets_app = typer.Typer(no_args_is_help=True, help="Real models and data that ship as packages.")
 log = logging.getLogger("elastify")
-
-
-def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(code=2)
 
 
 @assets_app.command("prepare")
@@ -36,7 +31,6 @@ def _float_list(text: str, option: str) -> list[float]:
         return [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         fail(f"{option} must be comma-separated numbers, got {text!r}")
-        raise
 
 
 def elastify_command(
@@ -97,7 +91,6 @@ def elastify_command(
                 quality = report["levels"]
     except (ModelLoadError, CalibrationError, ElastifyError, ValueError) as err:
         fail(str(err))
-        return
     _summary(manifest, quality, time.perf_counter() - started, out)
 
 
@@ -119,12 +112,4 @@ def _summary(manifest, quality: dict, seconds: float, out: Path) -> None:
         )
     console.print(table)
     console.print(f"package written to {out} in {seconds:.1f} s")
-
-
-def demo() -> None:
-    """Build SmolLM2-135M end to end in embedded mode (scheduler + local Ray + SQLite + local store)."""
-    from api.commands.cluster import embedded_demo
-
-    embedded_demo()
-
 
