@@ -85,6 +85,24 @@ class LatencyProfile:
         return cls(**data)
 
 
+@dataclass(frozen=True)
+class EnergyProfile:
+    """Energy per arithmetic operation and per byte moved from memory, for predicting a request's joules.
+
+    Defaults are Horowitz, "Computing's energy problem" (ISSCC 2014), 45 nm: an fp32 multiply
+    3.7 pJ + add 0.9 pJ = 4.6 pJ per multiply-add, i.e. 2.3 pJ per FLOP; a DRAM access ~640 pJ
+    per 32-bit word, i.e. 160 pJ per byte. Only the ratio and the order of magnitude matter to
+    the CLONE score; a device that measures its own replaces them.
+    """
+
+    joules_per_flop: float = 2.3e-12
+    joules_per_byte: float = 160e-12
+    source: str = "Horowitz ISSCC 2014, 45 nm (fp32 FMA 4.6 pJ; DRAM 640 pJ / 32-bit word)"
+
+    def joules(self, flops: float, bytes_moved: float) -> float:
+        return flops * self.joules_per_flop + bytes_moved * self.joules_per_byte
+
+
 def profile_path(package_dir: Path, weight_format: str) -> Path:
     """Beside the package, not in it: the package stays exactly what was signed."""
     package_dir = Path(package_dir)
@@ -111,6 +129,13 @@ def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProf
         if target.met(ttft, tpot):
             return Decision(level.name)
     return Decision(ordered[0].name, feasible=False)
+
+
+def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
+    """Whether `level` on the `prompt_ratio`-compressed prompt is predicted to meet `slo`."""
+    target = slo.absolute(profile, prompt_tokens)
+    kept = max(1, round(prompt_ratio * prompt_tokens))
+    return target.met(profile.ttft_ms(level, kept), profile.tpot_ms(level))
 
 
 # --------------------------------------------------------------------------- measuring

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.latency import SLO, LatencyProfile, LevelLatency
+from device_sdk.latency import EnergyProfile, LatencyProfile, LevelLatency, feasible  # noqa: F401 (re-exported)
 from device_sdk.package import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
+from pipeline.elastify import active_params
 from pipeline.stage import StageContext
 
 
@@ -64,14 +65,21 @@ class LevelCost:
 
 
 def level_cost(manifest: Manifest, level: Level, element_size: int = 4) -> LevelCost:
+    return widths_cost(manifest, level.attn_units, level.mlp_units, element_size, level.active_params)
+
+
+def widths_cost(manifest: Manifest, attn_units: list[int], mlp_units: list[int], element_size: int = 4,
+                active: int | None = None) -> LevelCost:
+    """The cost of any per-layer widths (a level, or a CLONE ratio vector; width 0 skips a sub-layer)."""
     arch = manifest.architecture
-    q_rows = sum(level.attn_units) * arch.n_rep * arch.head_dim
-    kv_rows = sum(level.attn_units) * arch.head_dim
+    active = active_params(arch, attn_units, mlp_units) if active is None else active
+    q_rows = sum(attn_units) * arch.n_rep * arch.head_dim
+    kv_rows = sum(attn_units) * arch.head_dim
     return LevelCost(
-        active_params=level.active_params,
-        flops_per_token=2.0 * level.active_params,
+        active_params=active,
+        flops_per_token=2.0 * active,
         attn_flops_per_pair=4.0 * q_rows,
-        weight_bytes=float(level.active_params * element_size),
+        weight_bytes=float(active * element_size),
         kv_bytes_per_token=float(2 * kv_rows * element_size),
     )
 
@@ -185,14 +193,52 @@ def profile_from_manifest(manifest: Manifest) -> LatencyProfile:
     return profile_from_dict(manifest.latency_profile)
 
 
+# --------------------------------------------------------------------------- one request at any widths (CLONE)
+
+# Host constants when neither a latency report nor the manifest's profile is at hand: ~20 GFLOP/s
+# of fp32 matmul and ~10 GB/s of weight streaming, what one core of the 2-core build host reaches.
+DEFAULT_HOST = {"ttft_overhead_ms": 0.0, "ms_per_flop": 5e-8, "tpot_overhead_ms": 0.0, "ms_per_byte": 1e-7}
+
+
+@dataclass
+class RequestCost:
+    ttft_ms: float
+    tpot_ms: float
+    latency_ms: float  # TTFT + decode_tokens · TPOT
+    energy_j: float
+
+
+def host_constants(manifest: Manifest, report: dict | None = None, element_size: int = 4) -> dict[str, float]:
+    """The latency stage's fitted constants: from its report, else refitted from the manifest's
+    per-level profile (two prompt lengths per level), else `DEFAULT_HOST`."""
+    if report is not None:
+        return dict(report["host"])
+    if not manifest.latency_profile:
+        return dict(DEFAULT_HOST)
+    profile = profile_from_manifest(manifest)
+    costs = {name: cost for name, cost in level_costs(manifest, element_size).items() if name in profile.levels}
+    measured = {name: {"ttft_ms": {str(n): profile.ttft_ms(name, n) for n in (32, 256)},
+                       "tpot_ms": profile.tpot_ms(name)} for name in costs}
+    return fit_host(costs, measured)
+
+
+def request_cost(cost: LevelCost, host: dict[str, float], energy: EnergyProfile, prompt_tokens: int,
+                 decode_tokens: int) -> RequestCost:
+    """Predicted latency and energy of one request: prefill `prompt_tokens`, then decode `decode_tokens`.
+
+    Energy counts every FLOP of prefill and decode, and the weights (plus the KV cache read so
+    far) streamed from memory once for the prefill and once per decoded token.
+    """
+    ttft = host["ttft_overhead_ms"] + cost.prefill_flops(prompt_tokens) * host["ms_per_flop"]
+    tpot = host["tpot_overhead_ms"] + cost.weight_bytes * host["ms_per_byte"]
+    context = prompt_tokens + decode_tokens / 2  # mean cache length during decode
+    decode_flops = decode_tokens * (cost.flops_per_token + cost.attn_flops_per_pair * context)
+    moved = cost.weight_bytes * (1 + decode_tokens) + cost.kv_bytes_per_token * context * decode_tokens
+    joules = energy.joules(cost.prefill_flops(prompt_tokens) + decode_flops, moved)
+    return RequestCost(ttft, tpot, ttft + decode_tokens * tpot, joules)
+
+
 # --------------------------------------------------------------------------- feasibility (used by label, bench)
-
-
-def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
-    """Whether level `level` on the `prompt_ratio`-compressed prompt meets `slo` (fractions of the full model)."""
-    target = slo.absolute(profile, prompt_tokens)
-    kept = max(1, round(prompt_ratio * prompt_tokens))
-    return target.met(profile.ttft_ms(level, kept), profile.tpot_ms(level))
 
 
 def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int) -> float:
