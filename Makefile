@@ -29,9 +29,11 @@ assets: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# Integration tests start their own PostgreSQL from the server binaries; install them if absent.
+# Integration tests start their own PostgreSQL from the server binaries, and drive the dashboard in
+# headless Chromium through Debian's chromedriver; install them if absent.
 services:
 	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
+	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
 test: assets lint services
 	$(PY) -m pytest tests

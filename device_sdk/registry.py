@@ -6,7 +6,11 @@ Registry layout (a bucket or directory; the REST API will resolve to the same fi
     <registry>/packages/<name>/<version>/<file>             every file the manifest lists
     <registry>/packages/<name>/aliases/<alias>              text: the version it points to
 
-`registry` is a local path, a file:// URL or an http(s):// base URL (GET with Range).
+`registry` is a local path, a file:// URL, an http(s):// base URL (GET with Range), or the
+Elastify REST API: an http(s) URL whose path ends in /v1 (e.g. http://host:8000/v1) or an
+ElastifyClient. Through the API, the server resolves versions and aliases and serves each
+file with Range (or redirects to a presigned object-store URL); the keys, resume, parallel
+fetch and verification below are the same code for every kind of registry.
 
 Order of trust: the manifest is fetched first and must carry `format_version` 1, the
 requested name and version, and a valid Ed25519 signature by the pinned `public_key`; only
@@ -25,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -34,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
+from device_sdk.client import ElastifyAPIError, ElastifyClient
 from device_sdk.package import (
     MANIFEST,
     WEIGHTS,
@@ -65,8 +71,13 @@ class Registry:
     """Read access to a bucket or directory laid out as in the module docstring."""
 
     @staticmethod
-    def open(location: str | Path) -> Registry:
+    def open(location, token: str | None = None) -> Registry:
+        """A registry for a path, file://, http(s):// bucket, the REST API (…/v1), or an ElastifyClient."""
+        if isinstance(location, ElastifyClient):
+            return APIRegistry(location)
         text = str(location)
+        if text.startswith(("http://", "https://")) and urllib.parse.urlsplit(text).path.rstrip("/").endswith("/v1"):
+            return APIRegistry(ElastifyClient(text, token=token))
         if text.startswith(("http://", "https://")):
             return HTTPRegistry(text)
         if text.startswith("file://"):
@@ -75,6 +86,10 @@ class Registry:
 
     def read(self, key: str) -> bytes:
         raise NotImplementedError
+
+    def release(self, name: str, version_or_alias: str) -> tuple[str, bytes]:
+        """(version, raw manifest) of a version or alias."""
+        return read_release(self, name, version_or_alias)
 
     def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
         """Write bytes [start, end) of `key` into `target` at offset `start`.
@@ -128,21 +143,80 @@ class HTTPRegistry(Registry):
             return response.read()
 
     def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
-        with self._request(key, (start, end)) as response, open(target, "r+b") as sink:
-            if response.status != 206:  # the server ignored Range: skip to our offset in the full body
-                _discard(response, start)
-            sink.seek(start)
-            while start < end:
-                try:
-                    block = response.read(min(CHUNK, end - start))
-                except http.client.IncompleteRead as short:
-                    block = short.partial
-                if not block:
-                    raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
-                sink.write(block)
-                sink.flush()
-                start += len(block)
-                advanced(start)
+        with self._request(key, (start, end)) as response:
+            _copy_response(response, key, target, start, end, advanced)
+
+
+class APIRegistry(Registry):
+    """The Elastify REST API: versions and aliases resolved by the server, files read over /v1 with Range.
+
+    Keys keep the bucket layout (`packages/<name>/<version>/<file>`), so pull has one code
+    path for every registry; only resolution and transport differ.
+    """
+
+    def __init__(self, client: ElastifyClient):
+        self.client = client
+
+    def release(self, name: str, version_or_alias: str) -> tuple[str, bytes]:
+        try:
+            listing = self.client.versions(name)
+        except ElastifyAPIError as err:
+            if err.status == 404:
+                raise PackageError(f"the registry has no package {name!r}") from None
+            raise PackageError(f"the registry could not resolve {name} {version_or_alias}: {err}") from None
+        versions = {entry["version"] for entry in listing}
+        aliases = {alias: entry["version"] for entry in listing for alias in entry["aliases"]}
+        version = version_or_alias if version_or_alias in versions else aliases.get(version_or_alias)
+        if version is None:
+            raise PackageError(f"the registry has no version or alias {version_or_alias!r} of {name!r}")
+        _check_alias_target(name, version_or_alias, version)
+        return version, self.read(f"packages/{name}/{version}/{MANIFEST}")
+
+    def _parts(self, key: str) -> tuple[str, str, str]:
+        _, name, version, path = key.split("/", 3)
+        return name, version, path
+
+    def read(self, key: str) -> bytes:
+        name, version, path = self._parts(key)
+        try:
+            if path == MANIFEST:
+                return self.client.manifest_bytes(name, version)
+            with self.client.open_file(name, version, path) as response:
+                return response.read()
+        except ElastifyAPIError as err:
+            if err.status == 404:
+                raise FileNotFoundError(key) from None
+            raise ConnectionError(f"{key}: {err}") from None
+
+    def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
+        name, version, path = self._parts(key)
+        try:
+            response = self.client.open_file(name, version, path, (start, end))
+        except ElastifyAPIError as err:
+            if err.status == 404:
+                raise FileNotFoundError(key) from None
+            raise ConnectionError(f"{key}: {err}") from None
+        with response:
+            _copy_response(response, key, target, start, end, advanced)
+
+
+def _copy_response(response, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
+    """Write bytes [start, end) of an HTTP response body into `target` at `start`."""
+    with open(target, "r+b") as sink:
+        if response.status != 206:  # the server ignored Range: skip to our offset in the full body
+            _discard(response, start)
+        sink.seek(start)
+        while start < end:
+            try:
+                block = response.read(min(CHUNK, end - start))
+            except http.client.IncompleteRead as short:
+                block = short.partial
+            if not block:
+                raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
+            sink.write(block)
+            sink.flush()
+            start += len(block)
+            advanced(start)
 
 
 def _discard(response, count: int) -> None:
@@ -209,23 +283,29 @@ def read_release(registry: Registry, name: str, version_or_alias: str) -> tuple[
         version = registry.read(f"packages/{name}/aliases/{version_or_alias}").decode().strip()
     except FileNotFoundError:
         raise PackageError(f"the registry has no version or alias {version_or_alias!r} of {name!r}") from None
-    if not SAFE_NAME.fullmatch(version) or version in (".", ".."):
-        raise PackageError(f"alias {version_or_alias!r} of {name!r} points to an invalid version {version!r}")
+    _check_alias_target(name, version_or_alias, version)
     try:
         return version, registry.read(f"packages/{name}/{version}/{MANIFEST}")
     except FileNotFoundError:
         raise PackageError(f"alias {version_or_alias!r} of {name!r} points to a missing version {version!r}") from None
 
 
+def _check_alias_target(name: str, alias: str, version: str) -> None:
+    if not SAFE_NAME.fullmatch(version) or version in (".", ".."):
+        raise PackageError(f"alias {alias!r} of {name!r} points to an invalid version {version!r}")
+
+
 def pull(
     name: str,
     version_or_alias: str,
     *,
-    registry: str | Path,
+    registry: str | Path | ElastifyClient,
     public_key,
     max_level: float | str | None = None,
     cache_dir: Path | None = None,
     workers: int = 4,
+    token: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Download, verify and install a package; return its local directory.
 
@@ -233,14 +313,17 @@ def pull(
     `max_level` fetches only the bytes that levels up to it need; the copy records that and
     ElasticModel refuses any larger level. An installed copy that already covers the
     request is returned without network traffic beyond resolving the version.
+    `registry` ending in /v1 (or an ElastifyClient) is the Elastify REST API; `token` is its
+    bearer token (default: ELASTIFY_TOKEN). `on_progress(bytes done, bytes needed)` is called
+    as blocks arrive, from the download threads.
     """
     if public_key is None:
         raise PackageError("pull needs the publisher's pinned public key")
     for label, value in (("name", name), ("version", version_or_alias)):
         if not SAFE_NAME.fullmatch(value) or value in (".", ".."):
             raise PackageError(f"package {label} {value!r} may use only letters, digits, '.', '_' and '-'")
-    source = Registry.open(registry)
-    version, raw_manifest = read_release(source, name, version_or_alias)
+    source = Registry.open(registry, token=token)
+    version, raw_manifest = source.release(name, version_or_alias)
     prefix = f"packages/{name}/{version}"
     manifest = _trusted_manifest(raw_manifest, name, version, public_key)
     level = None if max_level is None else manifest.elastic.level(max_level).name
@@ -254,12 +337,12 @@ def pull(
     staging = root / name / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
     try:
-        files, needed_bytes = _fetch(source, prefix, manifest, staging, level, workers)
+        files, needed_bytes = _fetch(source, prefix, manifest, staging, level, workers, on_progress)
         atomic_write_bytes(staging / MANIFEST, raw_manifest)
         state = {
             "name": name,
             "version": version,
-            "registry": str(registry),
+            "registry": registry.base_url + "/v1" if isinstance(registry, ElastifyClient) else str(registry),
             "max_level": level,
             "files": files,
             "bytes": needed_bytes,
@@ -296,8 +379,9 @@ def _covers(state: dict | None, level: str | None) -> bool:
     return held is None or (level is not None and float(level) <= float(held))
 
 
-def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: str | None, workers: int) -> list[str]:
-    """Every needed (file, byte range) in parallel; returns the files the copy holds."""
+def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: str | None, workers: int,
+           on_progress: Callable[[int, int], None] | None = None) -> tuple[list[str], int]:
+    """Every needed (file, byte range) in parallel; returns the files the copy holds and the bytes needed."""
     skipped_adapters = set()
     if level is not None:
         skipped_adapters = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.ratio > float(level)}
@@ -318,22 +402,39 @@ def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, lev
             jobs.append((entry.path, 0, entry.size))
     progress = _load_progress(staging)
     pending = [job for job in jobs if progress.get(_job_key(job)) != job[2]]
+    needed = sum(end - start for _, start, end in jobs)
+    report = None
+    if on_progress is not None:
+        lock = threading.Lock()
+
+        def report() -> None:
+            with lock:
+                on_progress(sum(int(progress.get(_job_key(j), j[1])) - j[1] for j in jobs), needed)
+
+        report()
     try:
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            list(pool.map(lambda job: _fetch_range(source, prefix, staging, job, progress), pending))
+            list(pool.map(lambda job: _fetch_range(source, prefix, staging, job, progress, report), pending))
     finally:  # every worker has stopped: record how far each range got, for the next pull
         _save_progress(staging, progress)
-    return files, sum(end - start for _, start, end in jobs)
+    return files, needed
 
 
-def _fetch_range(source: Registry, prefix: str, staging: Path, job, progress: dict):
+def _fetch_range(source: Registry, prefix: str, staging: Path, job, progress: dict,
+                 report: Callable[[], None] | None = None):
     """Fetch one byte range, resuming from what earlier attempts already wrote."""
     path, start, end = job
     key = _job_key(job)
+
+    def advanced(done: int) -> None:
+        progress[key] = done
+        if report is not None:
+            report()
+
     for attempt in range(ATTEMPTS):
         offset = max(start, int(progress.get(key, start)))
         try:
-            source.copy(f"{prefix}/{path}", staging / path, offset, end, lambda done: progress.__setitem__(key, done))
+            source.copy(f"{prefix}/{path}", staging / path, offset, end, advanced)
             return job
         except (OSError, ConnectionError) as err:
             if isinstance(err, FileNotFoundError):
