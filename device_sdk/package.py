@@ -194,6 +194,77 @@ class Manifest:
         for anchor in el.anchor_layers:
             if not 0 <= anchor < arch.layers:
                 raise PackageError(f"anchor layer {anchor} is out of range")
+        clone_profiles(self)
+        expert_entries(self)
+
+
+@dataclass
+class CloneProfile:
+    """A named per-layer width profile found by the CLONE search, with what was measured for it."""
+
+    attn_units: list[int]
+    mlp_units: list[int]
+    ppl: float  # held-out perplexity, no LoRA
+    latency_ms: float  # predicted latency of the cost model's reference request
+    energy_j: float  # predicted energy of that request
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    ratios: list[float] = field(default_factory=list)
+    active_fraction: float | None = None
+    origin: str = "search"  # "search", or the collection heuristic that found it
+    budget: dict[str, float] = field(default_factory=dict)  # the (latency_ms, energy_j) it was chosen for
+
+
+def clone_profiles(manifest: Manifest) -> dict[str, CloneProfile]:
+    """`clone.profiles` parsed and checked against the architecture; {} when the package has none."""
+    if manifest.clone is None:
+        return {}
+    if not isinstance(manifest.clone, Mapping) or not isinstance(manifest.clone.get("profiles"), Mapping):
+        raise PackageError("clone must be an object with a `profiles` object")
+    arch, el = manifest.architecture, manifest.elastic
+    profiles = {}
+    for name, entry in manifest.clone["profiles"].items():
+        if not isinstance(entry, Mapping):
+            raise PackageError(f"clone.profiles[{name}] must be an object")
+        profile = _build(CloneProfile, entry, f"clone.profiles[{name}]")
+        if len(profile.attn_units) != arch.layers or len(profile.mlp_units) != arch.layers:
+            raise PackageError(f"clone.profiles[{name}] needs one width per layer ({arch.layers})")
+        for layer, (a, m) in enumerate(zip(profile.attn_units, profile.mlp_units, strict=True)):
+            if not (0 <= a <= el.attn_units[layer] and 0 <= m <= el.mlp_units[layer]):
+                raise PackageError(f"clone.profiles[{name}] keeps more units than layer {layer} has")
+        if not all(isinstance(v, (int, float)) and v >= 0 for v in (profile.ppl, profile.latency_ms, profile.energy_j)):
+            raise PackageError(f"clone.profiles[{name}]: ppl, latency_ms and energy_j must be non-negative numbers")
+        profiles[name] = profile
+    return profiles
+
+
+@dataclass
+class ExpertEntry:
+    """One CLONE LoRA-MoE expert: its adapter file and the centroid of its task's prompt embeddings."""
+
+    name: str
+    adapter: str  # adapters/experts/<name>.safetensors (unit-major, full width)
+    centroid: list[float]
+
+
+def expert_entries(manifest: Manifest) -> list[ExpertEntry]:
+    """`experts.experts` parsed and checked; [] when the package has none."""
+    if manifest.experts is None:
+        return []
+    data = manifest.experts
+    if not isinstance(data, Mapping) or not isinstance(data.get("experts"), list):
+        raise PackageError("experts must be an object with an `experts` list")
+    entries = [_build(ExpertEntry, e, "experts.experts[]") for e in data["experts"]]
+    if not entries:
+        raise PackageError("experts.experts is empty; omit `experts` for a package without experts")
+    sizes = {len(e.centroid) for e in entries}
+    if len(sizes) != 1 or 0 in sizes:
+        raise PackageError("every expert centroid must have the same, non-zero dimension")
+    if len({e.name for e in entries}) != len(entries):
+        raise PackageError("expert names must be unique")
+    if not data.get("temperature", 1.0) > 0:
+        raise PackageError("experts.temperature must be positive")
+    return entries
 
 
 def _build(kind, data: Mapping[str, Any], where: str):
