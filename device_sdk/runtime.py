@@ -28,8 +28,10 @@ from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, esti
 from device_sdk.llama import Projection, Transformer
 from device_sdk.package import WEIGHTS, Level, Manifest, PackageError, safetensors_layout
 from device_sdk.registry import read_local_state, verify_local
+from device_sdk.tlm import TLM, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+FORCE_TOKENS = ("?",)  # compression never drops a question mark (the labelling stage's default too)
 LORA_SCALE_DEFAULT = 2.0  # alpha 16 / rank 8, the recovery stage's default
 
 
@@ -89,11 +91,16 @@ class ElasticModel:
         config = json.loads((self.package_dir / "model" / "config.json").read_text())
         eos = config.get("eos_token_id")
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.decide = choose_level  # the TLM issue swaps in its decision here (same signature)
-        self.compress = None  # and a prompt compressor: (prompt, ratio) -> prompt
+        # With a TLM in the package it picks (prompt ratio, level) per request; else the profile rule does.
+        self.tlm = TLM.load((self.package_dir / manifest.tlm["config"]).parent) if manifest.tlm else None
+        self.decide = tlm_decider(self.tlm) if self.tlm else choose_level
+        self.compress = self._compress if self.tlm else None
         self.level: str | None = None
         self._profile: LatencyProfile | None = None
         self.set_level(self.available_levels()[-1])
+
+    def _compress(self, prompt: str, ratio: float) -> str:
+        return self.tlm.compress(prompt, ratio, FORCE_TOKENS).text
 
     # -- loading -------------------------------------------------------------------------
 

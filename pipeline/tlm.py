@@ -31,33 +31,31 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 from torch import nn
 
 from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.tlm import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    Compressed,
+    TLMError,
+    best_feasible_pair,
+    compress_by_scores,
+    encode_words,
+    slo_prefix,
+    slo_token_names,
+    word_spans,
+    words_of,
+)
 from pipeline.stage import StageContext
 
-WORD = re.compile(r"\S+")
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 TTFT_BINS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 TPOT_BINS = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
-CONFIG_FILE = "tlm_config.json"
-WEIGHTS_FILE = "tlm.safetensors"
-
-
-class TLMError(ValueError):
-    """Bad TLM settings, data, or a TLM directory that cannot be loaded."""
 
 
 # --------------------------------------------------------------------------- words
-
-
-def word_spans(text: str) -> list[tuple[int, int]]:
-    """Character spans of whitespace-separated words: the unit both tokenizers are mapped through."""
-    return [m.span() for m in WORD.finditer(text)]
-
-
-def words_of(text: str) -> list[str]:
-    return [text[a:b] for a, b in word_spans(text)]
 
 
 def _norm(word: str) -> str:
@@ -141,10 +139,6 @@ class TLMConfig:
     tpot_bins: list[float] = field(default_factory=lambda: list(TPOT_BINS))
     slo_tokens: list[str] = field(default_factory=list)
     base_vocab: int = 0  # rows below this are the pretrained embeddings (frozen, shared)
-
-
-def slo_token_names(ttft_bins: Sequence[float], tpot_bins: Sequence[float]) -> list[str]:
-    return [f"[TTFT_{b:.1f}]" for b in ttft_bins] + [f"[TPOT_{b:.1f}]" for b in tpot_bins]
 
 
 class DualHeadTLM(nn.Module):
@@ -256,21 +250,15 @@ def load_tlm(tlm_dir: Path):
 # --------------------------------------------------------------------------- score head
 
 
-def encode_words(tokenizer, words: list[str], max_length: int) -> list[tuple[list[int], list[int | None]]]:
-    """Chunks of (input ids, word index per token) that fit `max_length`; words never split across chunks."""
-    chunks, start = [], 0
-    while start < len(words):
-        end = len(words)
-        while True:
-            encoded = tokenizer(words[start:end], is_split_into_words=True, truncation=False)
-            if len(encoded["input_ids"]) <= max_length or end - start == 1:
-                break
-            end = start + max(1, (end - start) * max_length // len(encoded["input_ids"]) - 1)
-        ids = encoded["input_ids"][:max_length]
-        word_ids = [None if w is None else w + start for w in encoded.word_ids()][:max_length]
-        chunks.append((ids, word_ids))
-        start = end
-    return chunks
+def word_tokenizer(tokenizer) -> Tokenizer:
+    """The HF tokenizer's backend with padding and truncation off, as the SDK maps words; made once."""
+    backend = getattr(tokenizer, "_elastify_word_tokenizer", None)
+    if backend is None:
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        backend.no_padding()
+        backend.no_truncation()
+        tokenizer._elastify_word_tokenizer = backend
+    return backend
 
 
 def _pad(rows: list[list[int]], value: int) -> torch.Tensor:
@@ -284,7 +272,7 @@ def score_examples(tokenizer, texts_and_labels: list[tuple[str, list[int]]], max
         words = words_of(text)
         if len(words) != len(labels):
             raise TLMError(f"{len(labels)} labels for {len(words)} words")
-        for ids, word_ids in encode_words(tokenizer, words, max_length):
+        for ids, word_ids in encode_words(word_tokenizer(tokenizer), words, max_length):
             examples.append((ids, [-100 if w is None else labels[w] for w in word_ids]))
     return examples
 
@@ -339,7 +327,7 @@ def word_scores(tlm: DualHeadTLM, tokenizer, text: str) -> list[float]:
     """Per word: mean keep probability over its sub-tokens (0 for a word the tokenizer drops)."""
     words = words_of(text)
     sums, counts = [0.0] * len(words), [0] * len(words)
-    for ids, word_ids in encode_words(tokenizer, words, tlm.config.max_length):
+    for ids, word_ids in encode_words(word_tokenizer(tokenizer), words, tlm.config.max_length):
         ids_t = torch.tensor([ids])
         keep = tlm.score_logits(ids_t, torch.ones_like(ids_t)).softmax(-1)[0, :, 1]
         for position, word in enumerate(word_ids):
@@ -347,39 +335,6 @@ def word_scores(tlm: DualHeadTLM, tokenizer, text: str) -> list[float]:
                 sums[word] += keep[position].item()
                 counts[word] += 1
     return [s / c if c else 0.0 for s, c in zip(sums, counts, strict=True)]
-
-
-@dataclass
-class Compressed:
-    text: str
-    kept: list[int]  # indices of kept words, ascending
-    rate: float  # achieved: kept words / words
-
-
-def compress_by_scores(text: str, scores: Sequence[float], rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
-    """Keep round(rate · words) words with the highest scores, in order; forced words always stay.
-
-    A word is forced when it equals a force token or contains one (e.g. "?" keeps "Paris?").
-    Kept words are joined by a newline where the original gap held one, else a space.
-    """
-    if not 0.0 < rate <= 1.0:
-        raise TLMError(f"rate must be in (0, 1], got {rate}")
-    spans = word_spans(text)
-    if len(scores) != len(spans):
-        raise TLMError(f"{len(scores)} scores for {len(spans)} words")
-    if not spans:
-        return Compressed(text, [], 1.0)
-    forced = {i for i, (a, b) in enumerate(spans) if any(tok and tok in text[a:b] for tok in force_tokens)}
-    target = max(len(forced), round(rate * len(spans)))
-    rest = sorted((i for i in range(len(spans)) if i not in forced), key=lambda i: (-scores[i], i))
-    kept = sorted(forced | set(rest[: target - len(forced)]))
-    pieces = []
-    for position, index in enumerate(kept):
-        if position:
-            gap = text[spans[kept[position - 1]][1] : spans[index][0]]
-            pieces.append("\n" if "\n" in gap else " ")
-        pieces.append(text[spans[index][0] : spans[index][1]])
-    return Compressed("".join(pieces), kept, len(kept) / len(spans))
 
 
 def compress(tlm: DualHeadTLM, tokenizer, text: str, rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
@@ -398,22 +353,12 @@ def random_compress(text: str, rate: float, seed: int, force_tokens: Sequence[st
 # --------------------------------------------------------------------------- decision head
 
 
-def slo_prefix(config: TLMConfig, ttft_fraction: float, tpot_fraction: float) -> str:
-    """The SLO tokens for a pair of fractions, snapped down to the nearest bin (never looser)."""
-
-    def snap(value, bins):
-        fitting = [b for b in bins if b <= value + 1e-9]
-        return max(fitting) if fitting else min(bins)
-
-    return f"[TTFT_{snap(ttft_fraction, config.ttft_bins):.1f}] [TPOT_{snap(tpot_fraction, config.tpot_bins):.1f}] "
-
-
 def decision_examples(tlm: DualHeadTLM, tokenizer, rows: list[dict]):
     """rows: {"prompt", "ttft", "tpot", "ratio", "level"} -> (ids, (ratio class, level class))."""
     cfg = tlm.config
     examples = []
     for row in rows:
-        text = slo_prefix(cfg, row["ttft"], row["tpot"]) + row["prompt"]
+        text = slo_prefix(cfg.ttft_bins, cfg.tpot_bins, row["ttft"], row["tpot"]) + row["prompt"]
         ids = tokenizer(text, truncation=True, max_length=cfg.max_length)["input_ids"]
         ratio = _grid_index(cfg.ratio_grid, float(row["ratio"]))
         level = cfg.level_grid.index(str(row["level"]))
@@ -460,7 +405,7 @@ def _decision_loss(tlm, ids, mask, labels):
 
 @torch.no_grad()
 def decision_log_probs(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float):
-    text = slo_prefix(tlm.config, ttft, tpot) + prompt
+    text = slo_prefix(tlm.config.ttft_bins, tlm.config.tpot_bins, ttft, tpot) + prompt
     ids = torch.tensor([tokenizer(text, truncation=True, max_length=tlm.config.max_length)["input_ids"]])
     ratio_logits, level_logits = tlm.decision_logits(ids, torch.ones_like(ids))
     return ratio_logits[0].log_softmax(-1), level_logits[0].log_softmax(-1)
@@ -473,16 +418,7 @@ def decide(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float,
     When no pair is feasible, the lightest pair (smallest level, smallest ratio) is returned, flagged.
     """
     ratio_lp, level_lp = decision_log_probs(tlm, tokenizer, prompt, ttft, tpot)
-    cfg = tlm.config
-    best, best_score = None, -math.inf
-    for i, ratio in enumerate(cfg.ratio_grid):
-        for j, level in enumerate(cfg.level_grid):
-            score = (ratio_lp[i] + level_lp[j]).item()
-            if score > best_score and is_feasible(ratio, level):
-                best, best_score = (ratio, level), score
-    if best is None:
-        return min(cfg.ratio_grid), min(cfg.level_grid, key=float), False
-    return best[0], best[1], True
+    return best_feasible_pair(ratio_lp, level_lp, tlm.config.ratio_grid, tlm.config.level_grid, is_feasible)
 
 
 # --------------------------------------------------------------------------- stages

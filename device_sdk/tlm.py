@@ -1,0 +1,226 @@
+"""TLM inference on the device: word-level prompt compression and the (prompt ratio, level) decision.
+
+The TLM is one BERT-style encoder: a frozen trunk, then a score branch (keep/drop per token)
+and a decision branch (prompt-ratio and level heads over `[TTFT_x] [TPOT_y] prompt`). The
+pipeline trains it (pipeline/tlm.py) and uses the word and decision rules defined here, so
+that what the labels were made with is exactly what a device runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from device_sdk.encoder import Encoder, load_tokenizer
+from device_sdk.latency import SLO, Decision, LatencyProfile, feasible
+from device_sdk.package import Level
+
+WORD = re.compile(r"\S+")
+CONFIG_FILE = "tlm_config.json"
+WEIGHTS_FILE = "tlm.safetensors"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+class TLMError(ValueError):
+    """Bad TLM settings, data, or a TLM directory that cannot be loaded."""
+
+
+# --------------------------------------------------------------------------- words
+
+
+def word_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans of whitespace-separated words: the unit every tokenizer is mapped through."""
+    return [m.span() for m in WORD.finditer(text)]
+
+
+def words_of(text: str) -> list[str]:
+    return [text[a:b] for a, b in word_spans(text)]
+
+
+def encode_words(tokenizer: Tokenizer, words: list[str], max_length: int) -> list[tuple[list[int], list[int | None]]]:
+    """Chunks of (input ids, word index per token) that fit `max_length`; words never split across chunks."""
+    chunks, start = [], 0
+    while start < len(words):
+        end = len(words)
+        while True:
+            encoded = tokenizer.encode(words[start:end], is_pretokenized=True)
+            if len(encoded.ids) <= max_length or end - start == 1:
+                break
+            end = start + max(1, (end - start) * max_length // len(encoded.ids) - 1)
+        ids = encoded.ids[:max_length]
+        word_ids = [None if w is None else w + start for w in encoded.word_ids][:max_length]
+        chunks.append((ids, word_ids))
+        start = end
+    return chunks
+
+
+@dataclass
+class Compressed:
+    text: str
+    kept: list[int]  # indices of kept words, ascending
+    rate: float  # achieved: kept words / words
+
+
+def compress_by_scores(text: str, scores: Sequence[float], rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
+    """Keep round(rate · words) words with the highest scores, in order; forced words always stay.
+
+    A word is forced when it equals a force token or contains one (e.g. "?" keeps "Paris?").
+    Kept words are joined by a newline where the original gap held one, else a space.
+    """
+    if not 0.0 < rate <= 1.0:
+        raise TLMError(f"rate must be in (0, 1], got {rate}")
+    spans = word_spans(text)
+    if len(scores) != len(spans):
+        raise TLMError(f"{len(scores)} scores for {len(spans)} words")
+    if not spans:
+        return Compressed(text, [], 1.0)
+    forced = {i for i, (a, b) in enumerate(spans) if any(tok and tok in text[a:b] for tok in force_tokens)}
+    target = max(len(forced), round(rate * len(spans)))
+    rest = sorted((i for i in range(len(spans)) if i not in forced), key=lambda i: (-scores[i], i))
+    kept = sorted(forced | set(rest[: target - len(forced)]))
+    pieces = []
+    for position, index in enumerate(kept):
+        if position:
+            gap = text[spans[kept[position - 1]][1] : spans[index][0]]
+            pieces.append("\n" if "\n" in gap else " ")
+        pieces.append(text[spans[index][0] : spans[index][1]])
+    return Compressed("".join(pieces), kept, len(kept) / len(spans))
+
+
+# --------------------------------------------------------------------------- SLO tokens and the decision rule
+
+
+def slo_token_names(ttft_bins: Sequence[float], tpot_bins: Sequence[float]) -> list[str]:
+    return [f"[TTFT_{b:.1f}]" for b in ttft_bins] + [f"[TPOT_{b:.1f}]" for b in tpot_bins]
+
+
+def slo_prefix(ttft_bins: Sequence[float], tpot_bins: Sequence[float], ttft_fraction: float, tpot_fraction: float) -> str:
+    """The SLO tokens for a pair of fractions, snapped down to the nearest bin (never looser)."""
+
+    def snap(value, bins):
+        fitting = [b for b in bins if b <= value + 1e-9]
+        return max(fitting) if fitting else min(bins)
+
+    return f"[TTFT_{snap(ttft_fraction, ttft_bins):.1f}] [TPOT_{snap(tpot_fraction, tpot_bins):.1f}] "
+
+
+def best_feasible_pair(ratio_log_probs: torch.Tensor, level_log_probs: torch.Tensor, ratios: Sequence[float],
+                       levels: Sequence[str], is_feasible: Callable[[float, str], bool]) -> tuple[float, str, bool]:
+    """(prompt ratio, level, feasible): the feasible pair with the highest joint log-probability.
+
+    When no pair is feasible, the lightest pair (smallest level, smallest ratio) is returned, flagged.
+    """
+    best, best_score = None, -math.inf
+    for i, ratio in enumerate(ratios):
+        for j, level in enumerate(levels):
+            score = float(ratio_log_probs[i] + level_log_probs[j])
+            if score > best_score and is_feasible(ratio, level):
+                best, best_score = (ratio, level), score
+    if best is None:
+        return min(ratios), min(levels, key=float), False
+    return best[0], best[1], True
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class TLM:
+    """A trained TLM directory (`tlm_config.json`, `tlm.safetensors`, `tokenizer.json`), run without transformers."""
+
+    def __init__(self, config: dict, tensors: dict[str, torch.Tensor], tokenizer_file: Path):
+        self.config = config
+        self.max_length = config["max_length"]
+        self.tokenizer = load_tokenizer(tokenizer_file)  # for words: chunked by encode_words
+        self.prompt_tokenizer = load_tokenizer(tokenizer_file)  # for decisions: truncated, specials kept
+        self.prompt_tokenizer.enable_truncation(self.max_length)
+        self.encoder = Encoder(tensors, config["backbone"])
+        frozen = config["frozen_layers"]
+        branch = config["backbone"]["num_hidden_layers"] - frozen
+        self.trunk = [f"trunk.{i}." for i in range(frozen)]
+        self.score_layers = [f"score_layers.{i}." for i in range(branch)]
+        self.decision_layers = [f"decision_layers.{i}." for i in range(branch)]
+        self.ratios = [float(r) for r in config["ratio_grid"]]
+        self.levels = [str(m) for m in config["level_grid"]]
+
+    @classmethod
+    def load(cls, tlm_dir: Path) -> TLM:
+        tlm_dir = Path(tlm_dir)
+        missing = [n for n in (CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE) if not (tlm_dir / n).is_file()]
+        if missing:
+            raise TLMError(f"{tlm_dir} is not a TLM directory: missing {missing}")
+        config = json.loads((tlm_dir / CONFIG_FILE).read_text())
+        tensors = {k: v.float() for k, v in load_file(str(tlm_dir / WEIGHTS_FILE)).items()}
+        return cls(config, tensors, tlm_dir / TOKENIZER_FILE)
+
+    def _head(self, hidden: torch.Tensor, name: str) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.encoder.tensors[f"{name}.weight"],
+                                          self.encoder.tensors[f"{name}.bias"])
+
+    def _branch(self, ids: list[int], layers: list[str]) -> torch.Tensor:
+        ids_t = torch.tensor([ids])
+        mask = torch.ones_like(ids_t)
+        hidden = self.encoder.run(self.encoder.embed(ids_t), self.trunk, mask)
+        return self.encoder.run(hidden, layers, mask)[0]
+
+    @torch.inference_mode()
+    def word_scores(self, text: str) -> list[float]:
+        """Per word: mean keep probability over its sub-tokens (0 for a word the tokenizer drops)."""
+        words = words_of(text)
+        sums, counts = [0.0] * len(words), [0] * len(words)
+        for ids, word_ids in encode_words(self.tokenizer, words, self.max_length):
+            keep = self._head(self._branch(ids, self.score_layers), "score_head").softmax(-1)[:, 1]
+            for position, word in enumerate(word_ids):
+                if word is not None:
+                    sums[word] += float(keep[position])
+                    counts[word] += 1
+        return [s / c if c else 0.0 for s, c in zip(sums, counts, strict=True)]
+
+    def compress(self, text: str, rate: float, force_tokens: Sequence[str] = ()) -> Compressed:
+        if rate >= 1.0:
+            return Compressed(text, list(range(len(word_spans(text)))), 1.0)
+        return compress_by_scores(text, self.word_scores(text), rate, force_tokens)
+
+    @torch.inference_mode()
+    def decision_log_probs(self, prompt: str, ttft_fraction: float, tpot_fraction: float):
+        """(log p(ratio) over `ratios`, log p(level) over `levels`) for a prompt under an SLO."""
+        bins = self.config["ttft_bins"], self.config["tpot_bins"]
+        ids = self.prompt_tokenizer.encode(slo_prefix(*bins, ttft_fraction, tpot_fraction) + prompt).ids
+        pooled = self._branch(ids, self.decision_layers)[0]
+        return self._head(pooled, "ratio_head").log_softmax(-1), self._head(pooled, "level_head").log_softmax(-1)
+
+    def decide(self, prompt: str, ttft_fraction: float, tpot_fraction: float,
+               is_feasible: Callable[[float, str], bool]) -> tuple[float, str, bool]:
+        ratio_lp, level_lp = self.decision_log_probs(prompt, ttft_fraction, tpot_fraction)
+        return best_feasible_pair(ratio_lp, level_lp, self.ratios, self.levels, is_feasible)
+
+
+def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
+    """A level decision with `choose_level`'s signature that asks the TLM, judged by this device's profile.
+
+    Absolute SLOs become fractions of the full model's predicted latency for this prompt. Only
+    levels this copy holds, and pairs the profile predicts to meet the SLO, are eligible.
+    """
+
+    def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[Level]) -> Decision:
+        target = slo.absolute(profile, prompt_tokens)
+        full = profile.largest_level()
+        ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
+        tpot_fraction = 1.0 if target.tpot_ms is None else target.tpot_ms / profile.tpot_ms(full)
+        held = {level.name for level in levels}
+        ratio, level, met = tlm.decide(
+            prompt, ttft_fraction, tpot_fraction,
+            lambda r, m: m in held and feasible(profile, m, r, prompt_tokens, target),
+        )
+        if not met:  # best effort: the lightest pair this copy holds
+            level = min(held, key=float)
+        return Decision(level, ratio, met)
+
+    return decide
