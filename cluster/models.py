@@ -39,6 +39,9 @@ class Tenant(Base):
     __tablename__ = "tenants"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Quotas, enforced when a build is submitted; None means no limit.
+    gpu_hours_per_month: Mapped[float | None] = mapped_column(Float)
+    max_concurrent_builds: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiToken(Base):
@@ -47,6 +50,7 @@ class ApiToken(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     token_sha256: Mapped[str] = mapped_column(String(64), unique=True)  # never the token itself
     name: Mapped[str] = mapped_column(String(128), default="")
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)  # sees every tenant
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[datetime | None]
 

@@ -34,6 +34,11 @@ ATTEMPT_TRANSITIONS: dict[Status, frozenset[Status]] = {
 TRANSITIONS = {"build": BUILD_TRANSITIONS, "stage": STAGE_TRANSITIONS, "attempt": ATTEMPT_TRANSITIONS}
 
 
+# A user's retry (cluster.service.retry_build) reopens what failed or was cancelled: → queued.
+# Only that explicit request does; `advance` never leaves a terminal state.
+REOPENABLE = frozenset({Status.FAILED, Status.CANCELLED})
+
+
 class IllegalTransition(RuntimeError):
     """A status change the state machine does not allow (a bug, or a lost race)."""
 
@@ -58,6 +63,21 @@ def advance(session, model, ident, current: str, new: str, *conditions, **values
         update(model)
         .where(model.id == ident, model.status == Status(current).value, *conditions)
         .values(status=Status(new).value, **values)
+        .execution_options(synchronize_session=False)
+    )
+    return session.execute(statement).rowcount == 1
+
+
+def reopen(session, model, ident, current: str, **values) -> bool:
+    """Put a failed or cancelled Build/Stage row back to queued (a retry), if it is still in `current`."""
+    from sqlalchemy import update
+
+    if Status(current) not in REOPENABLE:
+        raise IllegalTransition(f"{model.STATE_KIND} cannot be reopened from {current}")
+    statement = (
+        update(model)
+        .where(model.id == ident, model.status == Status(current).value)
+        .values(status=Status.QUEUED.value, **values)
         .execution_options(synchronize_session=False)
     )
     return session.execute(statement).rowcount == 1

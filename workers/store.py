@@ -117,6 +117,10 @@ class ArtifactStore(ABC):
         """Where `key` lives on this machine's disk, for backends that have one."""
         return None
 
+    def presigned_url(self, key: str, expires_in: int) -> str | None:
+        """A URL that lets anyone holding it GET `key` for `expires_in` seconds, for backends that sign."""
+        return None
+
     # ------------------------------------------------------------------ artifacts
 
     def put_artifact(self, prefix: str, path: Path) -> ArtifactRef:
@@ -304,6 +308,11 @@ class S3Store(ArtifactStore):
         for page in pages:
             keys += [item["Key"][strip:] for item in page.get("Contents", [])]
         return sorted(keys)
+
+    def presigned_url(self, key: str, expires_in: int) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_in
+        )
 
     def copy(self, source: str, dest: str) -> None:
         if self._call(source, self.client.head_object, Bucket=self.bucket, Key=self._key(source))["ContentLength"] >= 5 << 30:

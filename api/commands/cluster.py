@@ -23,23 +23,33 @@ def _sessions(settings):
     return session_factory(make_engine(settings.database_url))
 
 
-def up() -> None:
-    """Run the service on this machine: scheduler + local Ray (no dashboard) + SQLite + local store.
+def up(
+    host: str = typer.Option("127.0.0.1", help="where the REST API listens"),
+    port: int = typer.Option(8000, help="REST API port; 0 serves no API (scheduler only)"),
+) -> None:
+    """Run the service on this machine: scheduler + REST API + local Ray (no dashboard) + SQLite + local store.
 
     The same command runs production with ELASTIFY_DATABASE_URL / ELASTIFY_RAY_ADDRESS / ELASTIFY_STORE_URL.
     """
+    import contextlib
+
+    from api.app import ServerThread, create_app
     from cluster.embedded import running_service
     from cluster.settings import Settings
 
     configure_logging()
     settings = Settings.from_env()
     with running_service(settings) as scheduler:
-        console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
-        console.print(f"manifests are signed by public key {settings.public_key_b64()}; Ctrl-C stops")
-        try:
-            scheduler.run()
-        except KeyboardInterrupt:
-            console.print("stopping; running stages go back to the queue")
+        api = ServerThread(create_app(settings, scheduler.registry), host, port) if port else contextlib.nullcontext()
+        with api:
+            console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
+            if port:
+                console.print(f"REST API on {api.url} (docs at {api.url}/docs); tokens: `elastify tokens create`")
+            console.print(f"manifests are signed by public key {settings.public_key_b64()}; Ctrl-C stops")
+            try:
+                scheduler.run()
+            except KeyboardInterrupt:
+                console.print("stopping; running stages go back to the queue")
 
 
 @build_app.command("submit")

@@ -1,0 +1,119 @@
+"""The REST API: `create_app(settings)` builds the FastAPI app over one job store, artifact store and registry.
+
+    /v1/builds…     submit (Idempotency-Key, quotas), list, show, cancel, retry, logs (SSE | text)
+    /v1/packages…   list, versions, manifest, files (Range | presigned S3 URL), aliases
+    /v1/usage       GPU- and CPU-hours from the ledger
+    /v1/keys/signing, /healthz, /readyz, /metrics   (no token needed)
+
+Every other route needs `Authorization: Bearer <tenant token>` and sees only its tenant's objects
+(admin tokens see all). Every error is application/problem+json (api/problems.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+
+from api import problems
+from api.metrics import job_store_registry
+from api.routes import EXAMPLES, builds, health, packages, usage
+from cluster.db import make_engine, session_factory
+from cluster.registry import Registry
+from cluster.settings import Settings
+
+MAX_BODY_BYTES = 1 << 20
+
+
+def create_app(settings: Settings, registry: Registry | None = None, *,
+               ready_checks: dict[str, Callable[[], str]] | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app over `settings` (database, store, signing key); the database must be migrated already."""
+    from cluster.stages import builtin_registry
+
+    app = FastAPI(title="Elastify", version="1", summary="Build elastic LLM packages; follow builds; download packages.")
+    engine = make_engine(settings.database_url)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessions = session_factory(engine)
+    app.state.store = settings.store.open()
+    app.state.registry = registry or builtin_registry()
+    app.state.metrics = job_store_registry(app.state.sessions)
+    app.state.ready_checks = ready_checks if ready_checks is not None else {
+        "database": health.database_check(app.state.sessions),
+        "store": health.store_check(app.state.store),
+        "ray": health.ray_check,
+    }
+    problems.install(app)
+    app.add_middleware(problems.BodyLimit, limit=max_body_bytes)
+    for module in (builds, packages, usage, health):
+        app.include_router(module.router)
+    app.openapi = lambda: _openapi(app, max_body_bytes)
+    return app
+
+
+def _openapi(app: FastAPI, max_body_bytes: int) -> dict:
+    """FastAPI's document, with every error response as application/problem+json with an example,
+    and the errors every route can give (401 when it needs a token, 413 when it takes a body, 500)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    problem = {"$ref": "#/components/schemas/Problem"}
+    EXAMPLES[413] = f"the request body is larger than {max_body_bytes} bytes"
+    for path, operations in doc["paths"].items():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if operation.get("security"):
+                responses.setdefault("401", {})
+            if "requestBody" in operation:
+                responses.setdefault("413", {})
+            responses.setdefault("500", {})
+            for code, response in responses.items():
+                status = int(code)
+                if status < 400 or (path == "/readyz" and status == 503):
+                    continue
+                response["description"] = HTTPStatus(status).phrase
+                response["content"] = {"application/problem+json": {"schema": problem, "example": {
+                    "type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
+                    "detail": EXAMPLES.get(status, HTTPStatus(status).description), "instance": path,
+                }}}
+                if status == 401:
+                    response["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    app.openapi_schema = doc
+    return doc
+
+
+class ServerThread:
+    """uvicorn serving an app from a background thread (used by `elastify up`, tests and benchmarks)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"):
+        import uvicorn
+
+        self.config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                     timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name="elastify-api", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the API server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

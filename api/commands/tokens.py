@@ -1,0 +1,90 @@
+"""Server-side commands that write the job store directly: `tokens create` and `tenants set-quota|show`."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from api.progress import console, fail
+
+tokens_app = typer.Typer(no_args_is_help=True, help="API tokens (printed once, stored only as a hash).")
+tenants_app = typer.Typer(no_args_is_help=True, help="Tenants and their quotas.")
+
+
+def _sessions():
+    from cluster.db import make_engine, migrate, session_factory
+    from cluster.settings import Settings
+
+    url = Settings.from_env().database_url
+    migrate(url)
+    return session_factory(make_engine(url))
+
+
+def _check_tenant(tenant: str) -> None:
+    import re
+
+    from cluster.spec import NAME_PATTERN
+
+    if not re.match(NAME_PATTERN, tenant) or len(tenant) > 64:
+        fail(f"tenant {tenant!r} must match {NAME_PATTERN} (at most 64 characters)")
+
+
+@tokens_app.command("create")
+def tokens_create(
+    tenant: str = typer.Option(..., help="the tenant the token acts for (created if new)"),
+    admin: bool = typer.Option(False, "--admin", help="the token sees every tenant"),
+    name: str = typer.Option("", help="a label to recognise the token by"),
+) -> None:
+    """Issue a bearer token; it is printed once on stdout and only its sha256 is kept."""
+    from api.auth import create_token
+
+    _check_tenant(tenant)
+    token = create_token(_sessions(), tenant, admin=admin, name=name)
+    console.print(f"token for tenant {tenant}{' (admin)' if admin else ''}; store it now, it is not shown again")
+    print(token)  # stdout, for scripts
+
+
+@tenants_app.command("set-quota")
+def tenants_set_quota(
+    tenant: str = typer.Argument(...),
+    gpu_hours_per_month: float | None = typer.Option(None, min=0, help="GPU-hour budget per UTC month"),
+    max_concurrent_builds: int | None = typer.Option(None, min=0, help="builds queued or running at once"),
+    clear: bool = typer.Option(False, "--clear", help="remove both limits (then apply any given)"),
+) -> None:
+    """Set a tenant's quotas; submissions over them get 429 and nothing is queued."""
+    from cluster.service import set_quota
+
+    _check_tenant(tenant)
+    if gpu_hours_per_month is None and max_concurrent_builds is None and not clear:
+        fail("give --gpu-hours-per-month, --max-concurrent-builds or --clear")
+    row = set_quota(_sessions(), tenant, gpu_hours_per_month=gpu_hours_per_month,
+                    max_concurrent_builds=max_concurrent_builds, clear=clear)
+    console.print(f"{tenant}: {_limit(row.gpu_hours_per_month, 'GPU-hours/month')}, "
+                  f"{_limit(row.max_concurrent_builds, 'concurrent builds')}")
+
+
+@tenants_app.command("show")
+def tenants_show() -> None:
+    """Every tenant with its quotas and this month's GPU-hours."""
+    from sqlalchemy import select
+
+    from cluster.models import Tenant
+    from cluster.service import gpu_seconds_this_month
+
+    table = Table(title="tenants")
+    for column in ("tenant", "GPU-h/month", "concurrent builds", "GPU-h this month"):
+        table.add_column(column, justify="right")
+    with _sessions()() as session:
+        for row in session.scalars(select(Tenant).order_by(Tenant.id)):
+            table.add_row(row.id, _limit(row.gpu_hours_per_month, ""), _limit(row.max_concurrent_builds, ""),
+                          f"{gpu_seconds_this_month(session, row.id) / 3600:.3f}")
+    console.print(table)
+
+
+def _limit(value, unit: str) -> str:
+    return "no limit" + (f" on {unit}" if unit else "") if value is None else f"{value:g} {unit}".strip()
+
+
+def mount(app: typer.Typer) -> None:
+    app.add_typer(tokens_app, name="tokens")
+    app.add_typer(tenants_app, name="tenants")

@@ -1,0 +1,176 @@
+"""Builds: submit (idempotent, quota-checked), list, show, cancel, retry, and logs (SSE or plain text)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.sse import format_sse_event
+from sqlalchemy import select
+from starlette.concurrency import run_in_threadpool
+
+from api.problems import ProblemError, not_found
+from api.routes import CallerDep, problems, sessions
+from api.schemas import BuildOut, BuildPage, BuildStatus, LogEvent
+from cluster.models import Build
+from cluster.service import build_events, cancel_build, describe_build, list_builds, retry_build, submit
+from cluster.spec import BuildSpec
+from cluster.states import TERMINAL, Status
+
+router = APIRouter(prefix="/v1/builds", tags=["builds"])
+BUILD_ID = r"^[0-9a-f]{1,32}$"
+SSE_POLL_SECONDS = 0.5
+
+SPEC_EXAMPLE = {
+    "source": {"model": "/models/smollm2-135m-instruct"},
+    "levels": [0.5, 1.0],
+    "stages": {"profile": {"settings": {"windows": 2, "window_length": 32}}},
+    "publish": {"name": "smollm2-elastic", "version": "0.1.0", "aliases": ["latest"]},
+}
+
+
+def _describe(request: Request, build_id: str, scope: str | None) -> dict:
+    with sessions(request)() as session:
+        try:
+            return describe_build(session, build_id, scope)
+        except KeyError:
+            raise not_found(f"no build {build_id}") from None
+
+
+BuildId = Annotated[str, Path(pattern=BUILD_ID, description="the build id")]
+
+
+@router.post(
+    "", status_code=201, response_model=BuildOut,
+    responses={200: {"model": BuildOut, "description": "a replay: the build first submitted with this Idempotency-Key"},
+               **problems(409, 422, 429)},
+    openapi_extra={"requestBody": {"content": {"application/json": {"example": SPEC_EXAMPLE}}}},
+)
+def submit_build(
+    spec: BuildSpec,
+    request: Request,
+    response: Response,
+    caller: CallerDep,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")] = None,
+) -> dict:
+    """Queue a build. With `Idempotency-Key`, the same key and spec return the first build (200) and the
+    same key with another spec is a 409. A quota that refuses answers 429 and queues nothing."""
+    submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key)
+    if not submission.created:
+        response.status_code = 200
+    response.headers["Location"] = f"/v1/builds/{submission.build_id}"
+    return _describe(request, submission.build_id, caller.tenant)
+
+
+@router.get("", response_model=BuildPage, responses=problems(400, 422))
+def list_builds_route(
+    request: Request,
+    caller: CallerDep,
+    status: Annotated[list[BuildStatus] | None, Query(description="any of these states")] = None,
+    name: Annotated[str | None, Query(description="the package name the build publishes", max_length=128)] = None,
+    owner: Annotated[str | None, Query(description="the tenant (admins see all tenants)", max_length=64)] = None,
+    limit: Annotated[int, Query(ge=1, le=200)] = 50,
+    cursor: Annotated[str | None, Query(max_length=512)] = None,
+) -> dict:
+    """Builds newest first, filtered by status, package name and owner, a page at a time."""
+    with sessions(request)() as session:
+        try:
+            items, next_cursor = list_builds(session, caller.scope, status=status, name=name, owner=owner,
+                                             limit=limit, cursor=cursor)
+        except ValueError as err:
+            raise ProblemError(400, str(err), kind="bad-cursor") from None
+    return {"items": items, "next_cursor": next_cursor}
+
+
+@router.get("/{build_id}", response_model=BuildOut, responses=problems(404, 422))
+def get_build(build_id: BuildId, request: Request, caller: CallerDep) -> dict:
+    """One build: stages, attempts, live progress, cache hits, GPU-seconds and its package."""
+    return _describe(request, build_id, caller.scope)
+
+
+@router.post("/{build_id}/cancel", response_model=BuildOut, responses=problems(404, 422))
+def cancel(build_id: BuildId, request: Request, caller: CallerDep) -> dict:
+    """Cancel: queued stages stop now, running ones are cancelled by the scheduler. Idempotent."""
+    try:
+        cancel_build(sessions(request), build_id, caller.scope)
+    except KeyError:
+        raise not_found(f"no build {build_id}") from None
+    return _describe(request, build_id, caller.scope)
+
+
+@router.post("/{build_id}/retry", response_model=BuildOut, responses=problems(404, 409, 422, 429))
+def retry(build_id: BuildId, request: Request, caller: CallerDep) -> dict:
+    """Re-run a failed or cancelled build: its failed and cancelled stages are queued again, finished
+    stages are reused. A build in any other state is a 409."""
+    try:
+        retry_build(sessions(request), build_id, caller.scope)
+    except KeyError:
+        raise not_found(f"no build {build_id}") from None
+    return _describe(request, build_id, caller.scope)
+
+
+@router.get(
+    "/{build_id}/logs",
+    response_class=Response,
+    responses={
+        200: {"description": "`text/event-stream` (Accept: text/event-stream) follows the build until it ends; "
+                             "otherwise `text/plain`, the log so far",
+              "content": {"text/event-stream": {"schema": {"type": "string"}},
+                          "text/plain": {"schema": {"type": "string"}}}},
+        **problems(404, 422),
+    },
+)
+async def logs(
+    build_id: BuildId,
+    request: Request,
+    caller: CallerDep,
+    accept: Annotated[str | None, Header()] = None,
+    last_event_id: Annotated[int | None, Header(ge=0, description="resume an SSE stream after this event")] = None,
+    after: Annotated[int, Query(ge=0, description="only events after this event id")] = 0,
+):
+    """The build's events: a live Server-Sent Events stream, or the plain-text log so far."""
+    scope = caller.scope
+    start = max(after, last_event_id or 0)
+
+    def page(after_id: int) -> tuple[list[dict], str]:
+        # Status first: if it is terminal, the events written with that change are visible too.
+        with sessions(request)() as session:
+            status = session.scalar(select(Build.status).where(Build.id == build_id))
+            try:
+                return build_events(session, build_id, scope, after_id), status
+            except KeyError:
+                raise not_found(f"no build {build_id}") from None
+
+    events, status = await run_in_threadpool(page, start)
+    if "text/event-stream" not in (accept or ""):
+        return PlainTextResponse("".join(_log_line(e) for e in events))
+
+    async def stream():
+        nonlocal events, status
+        seen = start
+        while True:
+            for event in events:
+                seen = event["id"]
+                yield format_sse_event(data_str=LogEvent(**event).model_dump_json(), event=event["kind"],
+                                       id=str(event["id"]))
+            if Status(status) in TERMINAL and not events:
+                yield format_sse_event(data_str=json.dumps({"status": status}), event="end")
+                return
+            if await request.is_disconnected():
+                return
+            if not events:
+                await asyncio.sleep(SSE_POLL_SECONDS)
+            events, status = await run_in_threadpool(page, seen)
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _log_line(event: dict) -> str:
+    where = f"[{event['stage']}] " if event["stage"] else ""
+    if event["kind"] == "progress" and event["data"]:
+        return f"{event['time']:%Y-%m-%dT%H:%M:%S} {where}{event['message']} {event['data'].get('done')}/{event['data'].get('total')}\n"
+    return f"{event['time']:%Y-%m-%dT%H:%M:%S} {event['level']:<5} {where}{event['message']}\n"

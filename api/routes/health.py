@@ -1,0 +1,83 @@
+"""Health, readiness, the signing key and Prometheus metrics: the routes that need no token."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+from starlette.concurrency import run_in_threadpool
+
+from api.problems import ProblemError
+from api.routes import problems
+from api.schemas import Health, Readiness, SigningKey
+from cluster.settings import SettingsError
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> dict:
+    """The process is up (no dependencies are checked)."""
+    return {"status": "ok"}
+
+
+def database_check(sessions) -> Callable[[], str]:
+    def check() -> str:
+        with sessions() as session:
+            session.execute(text("SELECT 1"))
+        return "reachable"
+
+    return check
+
+
+def store_check(store) -> Callable[[], str]:
+    def check() -> str:
+        store.exists("readyz")  # one round trip; raises if the store is unreachable
+        return "reachable"
+
+    return check
+
+
+def ray_check() -> str:
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("this process is not connected to Ray")
+    alive = [node for node in ray.nodes() if node.get("Alive")]
+    if not alive:
+        raise RuntimeError("no live Ray nodes")
+    return f"{len(alive)} live nodes"
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "a check failed"}})
+async def readyz(request: Request):
+    """Ready to serve: the database, the artifact store and Ray each answer."""
+    results = {}
+    for name, check in request.app.state.ready_checks.items():
+        try:
+            results[name] = {"ok": True, "detail": await run_in_threadpool(check)}
+        except Exception as err:  # any failure means not ready; say which and why
+            results[name] = {"ok": False, "detail": f"{type(err).__name__}: {err}"[:500]}
+    ready = all(r["ok"] for r in results.values())
+    body = Readiness(status="ready" if ready else "not ready", checks=results)
+    return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
+
+
+@router.get("/v1/keys/signing", response_model=SigningKey, tags=["keys"], responses=problems(503))
+def signing_key(request: Request) -> dict:
+    """The Ed25519 public key that signs every manifest; devices pin it."""
+    try:
+        return {"public_key": request.app.state.settings.public_key_b64()}
+    except SettingsError as err:
+        raise ProblemError(503, str(err), kind="no-signing-key") from None
+
+
+@router.get("/metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}},
+                             "description": "Prometheus text exposition"}})
+def metrics(request: Request) -> Response:
+    """Prometheus metrics, read from the job store at scrape time (every replica reports the same)."""
+    return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
