@@ -23,10 +23,19 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from device_sdk.kernels import make_linear
+from device_sdk.experts import ExpertSet
+from device_sdk.kernels import NativeDecoder, make_linear
 from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
 from device_sdk.llama import Projection, Transformer
-from device_sdk.package import WEIGHTS, Level, Manifest, PackageError, safetensors_layout
+from device_sdk.package import (
+    WEIGHTS,
+    CloneProfile,
+    Level,
+    Manifest,
+    PackageError,
+    clone_profiles,
+    safetensors_layout,
+)
 from device_sdk.registry import read_local_state, verify_local
 from device_sdk.tlm import TLM, tlm_decider
 
@@ -82,6 +91,7 @@ class ElasticModel:
         self.held_level = held_level  # a partial pull holds levels up to this one only
         make = partial(make_linear, weight_format=weight_format, native=native)
         self.transformer = Transformer(manifest.architecture, weights, make)
+        self.transformer.decoder = NativeDecoder.build(self.transformer)  # None: decode on the torch path
         # Per layer: (LoRA key, projection, sized by KV groups?), built once so a switch only loops.
         self._switch_plan = [
             [(name, proj, ".self_attn." in name) for name, proj in self._projections(block, index)]
@@ -97,6 +107,9 @@ class ElasticModel:
         self.compress = self._compress if self.tlm else None
         self.level: str | None = None
         self._profile: LatencyProfile | None = None
+        self.profile: str | None = None  # the CLONE profile in use, if any
+        self._experts: ExpertSet | None = None  # loaded on first use
+        self._mixed = False
         self.set_level(self.available_levels()[-1])
 
     def _compress(self, prompt: str, ratio: float) -> str:
@@ -162,6 +175,7 @@ class ElasticModel:
             )
         self._set_widths(chosen.attn_units, chosen.mlp_units, self.adapters.get(chosen.name, {}))
         self.level = chosen.name
+        self.profile = None
 
     def set_widths(self, attn_units: list[int], mlp_units: list[int]) -> None:
         """Any per-layer widths (e.g. a CLONE profile); no level, so no LoRA."""
@@ -176,6 +190,7 @@ class ElasticModel:
                 raise PackageError(f"widths exceed level {self.held_level}, the most this partial copy holds")
         self._set_widths(attn_units, mlp_units, {})
         self.level = None
+        self.profile = None
 
     def _set_widths(self, attn_units, mlp_units, lora) -> None:
         for projections, groups, neurons in zip(self._switch_plan, attn_units, mlp_units, strict=True):
@@ -193,6 +208,48 @@ class ElasticModel:
         return [(f"{prefix}.self_attn.{n}", getattr(block.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
             (f"{prefix}.mlp.{n}", getattr(block.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")
         ]
+
+    # -- CLONE: width profiles and LoRA-MoE experts ---------------------------------------
+
+    def profiles(self) -> dict[str, CloneProfile]:
+        return clone_profiles(self.manifest)
+
+    def set_profile(self, name: str) -> None:
+        """Switch to a named CLONE per-layer width profile (views only; profiles carry no LoRA)."""
+        profiles = self.profiles()
+        if name not in profiles:
+            raise PackageError(f"no CLONE profile {name!r}; the package has {sorted(profiles) or 'none'}")
+        self.set_widths(profiles[name].attn_units, profiles[name].mlp_units)
+        self.profile = name
+
+    def choose_profile(self, slo: SLO | None, prompt_tokens: int) -> str | None:
+        """The lowest-perplexity profile whose predicted TTFT/TPOT meet `slo`; None if none does."""
+        target = slo.absolute(self.latency_profile, prompt_tokens) if slo is not None else SLO()
+        fitting = [(p.ppl, name) for name, p in self.profiles().items()
+                   if p.ttft_ms is not None and target.met(p.ttft_ms, p.tpot_ms)]
+        return min(fitting)[1] if fitting else None
+
+    def mix_experts(self, prompt: str, mode: str = "soft") -> dict[str, float]:
+        """Route `prompt` to the package's experts and mix their LoRAs onto the current widths."""
+        if self._experts is None:
+            self._experts = ExpertSet.load(self.package_dir, self.manifest)
+        weights = self._experts.weights_for(prompt, mode)
+        self._experts.apply(self._switch_plan, weights, self.adapters.get(self.level, {}) if self.level else {})
+        self._mixed = True
+        return weights
+
+    def _clone_setup(self, prompt: str, slo: SLO | None, prompt_tokens: int, profile: str | None,
+                     experts: str | None) -> None:
+        """Per request: `profile` (a name, or "auto" for the SLO's pick) and `experts` (a routing mode)."""
+        if profile == "auto":
+            profile = self.choose_profile(slo, prompt_tokens)
+        if profile is not None:
+            self.set_profile(profile)
+        elif self.profile is not None or self._mixed:
+            self.set_level(self.level or self.available_levels()[-1])  # back to the level and its own LoRA
+            self._mixed = False
+        if experts is not None:
+            self.mix_experts(prompt, experts)
 
     # -- running -------------------------------------------------------------------------
 
@@ -214,12 +271,12 @@ class ElasticModel:
         self._profile = profile
 
     def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
-                 level: str | float | None = None):
+                 level: str | float | None = None, profile: str | None = None, experts: str | None = None):
         """Greedy generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
         With `stream=True` returns a GenerationStream of text pieces; else a Generation.
         """
-        steps = self._generate(prompt, slo, max_new_tokens, level)
+        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts)
         if stream:
             return GenerationStream(steps)
         try:
@@ -229,7 +286,8 @@ class ElasticModel:
             return done.value
 
     @torch.inference_mode()
-    def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level) -> Iterator[str]:
+    def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
+                  experts=None) -> Iterator[str]:
         started = time.perf_counter()
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
@@ -245,6 +303,7 @@ class ElasticModel:
             ids = self.tokenizer.encode(self.compress(prompt, decision.prompt_ratio)).ids
         if decision.level != self.level:
             self.set_level(decision.level)  # KV cache is per request, so switching here is safe
+        self._clone_setup(prompt, slo, len(ids), profile, experts)
         max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
         cache = self.transformer.new_cache(max_len)
         tokens: list[int] = []

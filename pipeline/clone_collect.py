@@ -312,7 +312,13 @@ class Collector:
     def header(self) -> dict:
         return {"settings": asdict(self.settings), "host": self.costs.host, "energy": asdict(self.costs.energy),
                 "full": asdict(self.costs.full), "floor": asdict(self.costs.floor),
-                "budgets": {name: {"latency_ms": t, "energy_j": e} for name, (t, e) in self.costs.budgets.items()}}
+                "budgets": {name: {"latency_ms": _finite(t), "energy_j": _finite(e)}
+                            for name, (t, e) in self.costs.budgets.items()}}
+
+
+def _finite(limit: float) -> float | None:
+    """JSON (and the signed manifest) has no infinity: an unbounded side is stored as null."""
+    return None if math.isinf(limit) else limit
 
 
 @torch.inference_mode()

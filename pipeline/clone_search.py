@@ -206,7 +206,8 @@ def generate(controller: Controller, seeds: list[list[int]], known: set[tuple[in
 
 
 def feasible(record: dict, budget: dict) -> bool:
-    return record["latency_ms"] <= budget["latency_ms"] and record["energy_j"] <= budget["energy_j"]
+    """Within the budget's latency and energy (a null side is unbounded)."""
+    return all(budget[key] is None or record[key] <= budget[key] for key in ("latency_ms", "energy_j"))
 
 
 def best_feasible(records: list[dict], budget: dict) -> dict | None:
@@ -239,7 +240,7 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
                      default=None)
         if chosen is None:
             raise CloneError(
-                f"budget {name!r} ({budget['latency_ms']:.4g} ms, {budget['energy_j']:.4g} J per request) was met by none "
+                f"budget {name!r} ({budget['latency_ms']} ms, {budget['energy_j']} J per request) was met by none "
                 f"of {len(records)} measured configurations; raise the budget or collect more samples"
             )
         profiles[name] = profile_entry(chosen, budget)

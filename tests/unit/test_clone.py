@@ -1,0 +1,164 @@
+"""CLONE on a tiny package: sampling and quantisation, the score, budgets, the search, profiles in the SDK."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+from device_sdk.package import PackageError, read_manifest, rewrite_manifest
+from pipeline.clone_collect import (
+    CloneError,
+    CollectSettings,
+    bins_to_widths,
+    collect,
+    cost_context,
+    quantise,
+    sample_vectors,
+    score,
+    shard_of,
+)
+from pipeline.clone_search import SearchSettings, install_profiles, search
+from pipeline.stage import quiet_context
+from tests.unit.sdk_packages import signing_key, tiny_package
+
+BUDGET = {"name": "fast", "latency": 0.7, "energy": 0.7}
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    return tiny_package("llama_gqa", tmp_path_factory.mktemp("clone") / "pkg", signing_key())[1]
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory):
+    import treebank
+
+    path = tmp_path_factory.mktemp("calib") / "calib.txt"
+    path.write_text(treebank.penn["valid"][:20000])
+    return path
+
+
+def settings(calib, **overrides) -> CollectSettings:
+    return CollectSettings(**{"budgets": [BUDGET], "samples": 24, "align": 8, "corpus": [str(calib)], "windows": 2,
+                              "window_length": 32, **overrides})
+
+
+def test_sampling_is_seeded_unique_quantised_and_sharded(package, calib):
+    manifest = read_manifest(package)
+    options = settings(calib)
+    vectors = sample_vectors(manifest, options)
+    assert vectors == sample_vectors(manifest, options)  # every shard sees the same list
+    assert len(vectors) == 24 and len({tuple(v) for _, v in vectors}) == 24
+    assert {s for s, _ in vectors} == {"uniform", "layer_drop", "anchor_weighted", "random"}
+    top = len(options.ratio_bins) - 1
+    for strategy, vector in vectors:
+        assert len(vector) == manifest.architecture.layers and all(0 <= b <= top for b in vector)
+        if strategy in ("uniform", "layer_drop", "anchor_weighted"):
+            assert all(vector[a] == top for a in manifest.elastic.anchor_layers)
+    assert any(0 in v for s, v in vectors if s == "layer_drop")  # ShortGPT drops whole layers
+    shards = [shard_of(vectors, i, 3) for i in range(3)]
+    assert sorted(map(tuple, (v for part in shards for _, v in part))) == sorted(tuple(v) for _, v in vectors)
+    assert vectors != sample_vectors(manifest, settings(calib, seed=1))
+
+    assert quantise(0.34, options.ratio_bins) == 3 and quantise(0.36, options.ratio_bins) == 4
+    arch = manifest.architecture
+    attn, mlp = bins_to_widths(manifest, [0, 5, top, 1], options)
+    assert (attn[0], mlp[0]) == (0, 0)  # ratio 0 skips both sub-layers
+    assert (attn[2], mlp[2]) == (arch.kv_heads, arch.intermediate)
+    assert all(n % 8 == 0 for n in mlp) and 0 < attn[1] <= arch.kv_heads
+    with pytest.raises(CloneError, match="one entry per layer"):
+        bins_to_widths(manifest, [1, 2], options)
+
+
+def test_score_follows_the_clone_formula():
+    assert score(10.0, 5.0, 1.0, 10.0, 2.0) == pytest.approx(0.1)  # within both budgets: 1/ppl
+    assert score(10.0, 20.0, 1.0, 10.0, 2.0) == pytest.approx(0.1 * 0.5**2)  # latency over by 2x
+    assert score(10.0, 5.0, 4.0, 10.0, 2.0) == pytest.approx(0.1 * 0.5**2)  # energy over by 2x
+    assert score(10.0, 20.0, 4.0, 10.0, 2.0, alpha=1, beta=3) == pytest.approx(0.1 * 0.5 * 0.5**3)
+
+
+def test_bad_budgets_and_settings_are_refused(package, calib):
+    manifest = read_manifest(package)
+    with pytest.raises(CloneError, match="cannot be met by any configuration"):
+        cost_context(manifest, settings(calib, budgets=[{"name": "impossible", "latency_ms": 1e-9}]))
+    with pytest.raises(CloneError, match="at least one budget"):
+        settings(calib, budgets=[]).validate()
+    with pytest.raises(CloneError, match="neither a latency nor an energy"):
+        settings(calib, budgets=[{"name": "none"}]).validate()
+    with pytest.raises(CloneError, match="strategies"):
+        settings(calib, strategies=["magic"]).validate()
+    with pytest.raises(CloneError, match="malformed"):
+        settings(calib, budgets=[{"name": "x", "latency": 0.5, "speed": 1}]).validate()
+
+
+def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_path):
+    from device_sdk.runtime import ElasticModel
+    from pipeline.elastic_model import ElasticCausalLM
+
+    options = settings(calib, budgets=[BUDGET, {"name": "frugal", "energy": 0.5}])
+    paths = []
+    for shard in range(2):  # two shards, merged by the search
+        records = collect(package, CollectSettings(**{**options.__dict__, "shard": shard, "shards": 2}),
+                          quiet_context())
+        paths.append(tmp_path / f"records.{shard}.json")
+        paths[-1].write_text(json.dumps(records))
+    found = search(package, paths, SearchSettings(epochs=60, candidates=6, seeds=4), quiet_context())
+    collected = {tuple(r["bins"]) for r in found["records"] if r["origin"] != "search"}
+    assert len(collected) == 24
+    candidates = [r for r in found["records"] if r["origin"] == "search"]
+    assert candidates and len({tuple(r["bins"]) for r in candidates}) == len(candidates)
+    assert not collected & {tuple(r["bins"]) for r in candidates}  # new vectors only
+    assert all(math.isfinite(r["ppl"]) and len(r["bins"]) == 4 for r in candidates)
+    profiles = found["clone"]["profiles"]
+    assert set(profiles) == {"fast", "frugal"}
+    assert profiles["frugal"]["budget"]["latency_ms"] is None  # energy only: latency unbounded
+    for entry in profiles.values():
+        limit = {k: math.inf if v is None else v for k, v in entry["budget"].items()}
+        assert entry["latency_ms"] <= limit["latency_ms"] and entry["energy_j"] <= limit["energy_j"]
+        fitting = [r["ppl"] for r in found["records"]
+                   if r["latency_ms"] <= limit["latency_ms"] and r["energy_j"] <= limit["energy_j"]]
+        assert entry["ppl"] == min(fitting)
+
+    copy = tmp_path / "pkg"
+    shutil.copytree(package, copy)
+    (tmp_path / "profiles.json").write_text(json.dumps(found))
+    install_profiles(copy, tmp_path / "profiles.json")
+    sdk = ElasticModel.load(copy)
+    reference = ElasticCausalLM.from_package(copy)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    for name, entry in read_manifest(copy).clone["profiles"].items():
+        sdk.set_profile(name)
+        reference.set_widths(entry["attn_units"], entry["mlp_units"])
+        with torch.no_grad():
+            expected = reference(ids).logits
+        torch.testing.assert_close(sdk.logits(ids), expected, atol=1e-4, rtol=1e-4)
+        assert sdk.profile == name and sdk.level is None
+    out = sdk.generate("The market", max_new_tokens=3, profile="fast")
+    assert len(out.tokens) == 3 and sdk.profile == "fast"
+    sdk.generate("The market", max_new_tokens=2)
+    assert sdk.profile is None and sdk.level == "1.0"  # a plain request goes back to a level
+    with pytest.raises(PackageError, match="no CLONE profile 'turbo'"):
+        sdk.set_profile("turbo")
+
+    manifest = read_manifest(copy)
+    manifest.clone["profiles"]["fast"]["attn_units"] = [99] * 4
+    with pytest.raises(PackageError, match="keeps more units than layer 0 has"):
+        rewrite_manifest(copy, manifest)
+
+
+def test_search_fails_clearly_when_no_measured_configuration_fits(package, calib, tmp_path):
+    records = collect(package, settings(calib, samples=8, strategies=["uniform"]), quiet_context())
+    # A budget just above the lightest configuration: feasible in principle, met by no measured vector.
+    floor = records["floor"]
+    records["budgets"] = {"tight": {"latency_ms": floor["latency_ms"] * 1.0001, "energy_j": floor["energy_j"] * 1.0001}}
+    for record in records["records"]:
+        record["scores"] = {"tight": 1.0 / record["ppl"]}
+    path = tmp_path / "records.json"
+    path.write_text(json.dumps(records))
+    with pytest.raises(CloneError, match="budget 'tight'.*was met by none"):
+        search(package, [path], SearchSettings(epochs=2, candidates=1, seeds=1, max_steps=1, beam_width=1),
+               quiet_context())
