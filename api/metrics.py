@@ -10,6 +10,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 from sqlalchemy import case, func, select
 
 from cluster.models import Attempt, Build, Stage
@@ -49,7 +50,7 @@ class JobStoreCollector(Collector):
         histogram = HistogramMetricFamily("elastify_stage_duration_seconds",
                                           "Wall time of finished stage attempts, by stage type", labels=["stage_type"])
         for stage_type, count, total, *cumulative in durations:
-            buckets = [(f"{bound:g}", int(n or 0)) for bound, n in zip(DURATION_BUCKETS, cumulative, strict=True)]
+            buckets = [(floatToGoString(bound), int(n or 0)) for bound, n in zip(DURATION_BUCKETS, cumulative, strict=True)]
             histogram.add_metric([stage_type], buckets + [("+Inf", count)], float(total or 0.0))
         yield histogram
         gpu_seconds = CounterMetricFamily("elastify_gpu_seconds", "GPU-seconds of all attempts (failed ones too)",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Path, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi.responses import FileResponse, RedirectResponse
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 from api.problems import ProblemError, not_found
@@ -66,7 +66,8 @@ def _manifest(request: Request, prefix: str) -> bytes:
 def manifest(name: Name, version: Version, request: Request, caller: CallerDep):
     """The package's manifest (format v1) exactly as signed; its sha256 is the version's manifest_sha256."""
     package = _package(request, caller, name, version)
-    return JSONResponse(json.loads(_manifest(request, package.uri)), headers={"ETag": f'"{package.manifest_sha256}"'})
+    return Response(_manifest(request, package.uri), media_type="application/json",
+                    headers={"ETag": f'"{package.manifest_sha256}"'})
 
 
 @router.get(

@@ -1,0 +1,144 @@
+"""REST API, the edges: problem+json for every error, body size limits, the OpenAPI document,
+health, readiness, the signing key, Prometheus metrics, and the `tokens`/`tenants` commands."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
+from typer.testing import CliRunner
+
+from api.app import create_app
+from cluster.models import Tenant
+from tests.api_support import finish_build, make_api, spec
+
+
+@pytest.fixture
+def api(tmp_path):
+    return make_api(tmp_path)
+
+
+@pytest.fixture
+def client(api):
+    return TestClient(api.app, raise_server_exceptions=False)
+
+
+def _is_problem(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body = response.json()
+    assert body["status"] == status and body["title"] and body["instance"] == response.request.url.path
+    return body
+
+
+def test_unknown_routes_methods_and_crashes_are_problems(api, client):
+    _is_problem(client.get("/v1/nothing"), 404)
+    _is_problem(client.delete("/v1/builds"), 405)
+
+    @api.app.get("/v1/boom")
+    def boom():
+        raise RuntimeError("secret internals")
+
+    body = _is_problem(client.get("/v1/boom"), 500)
+    assert "secret internals" not in body["detail"]
+
+
+def test_request_bodies_over_the_limit_are_413(api, client):
+    headers = api.token("acme")
+    big = b'{"x": "' + b"a" * (1 << 20) + b'"}'
+    _is_problem(client.post("/v1/builds", content=big, headers={**headers, "Content-Type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the limit still holds
+        for _ in range(20):
+            yield b"a" * (100 << 10)
+
+    _is_problem(client.post("/v1/builds", content=chunks(), headers={**headers, "Content-Type": "application/json"}), 413)
+    assert client.post("/v1/builds", json=spec(), headers=headers).status_code == 201
+
+
+def test_openapi_documents_every_error_as_a_problem_with_an_example(client):
+    doc = client.get("/openapi.json").json()
+    assert "Problem" in doc["components"]["schemas"] and "HTTPValidationError" not in doc["components"]["schemas"]
+    operations = [(path, method, op) for path, ops in doc["paths"].items() for method, op in ops.items()]
+    assert len(operations) >= 14
+    for path, method, op in operations:
+        codes = {int(c) for c in op["responses"]}
+        assert 500 in codes, (path, method)
+        if op.get("security"):
+            assert 401 in codes, (path, method)
+        if "requestBody" in op:
+            assert 413 in codes and 422 in codes, (path, method)
+        for code, response in op["responses"].items():
+            if int(code) >= 400 and path != "/readyz":
+                media = response["content"]["application/problem+json"]
+                assert media["schema"] == {"$ref": "#/components/schemas/Problem"}
+                assert media["example"]["status"] == int(code)
+    submit = doc["paths"]["/v1/builds"]["post"]
+    assert {"200", "201", "409", "429"} <= set(submit["responses"])
+    assert submit["requestBody"]["content"]["application/json"]["example"]["publish"]["name"]
+    download = doc["paths"]["/v1/packages/{name}/{version}/files/{path}"]["get"]
+    assert {"200", "206", "307", "416"} <= set(download["responses"])
+
+
+def test_health_readiness_and_signing_key(api, tmp_path):
+    client = TestClient(api.app)
+    assert client.get("/healthz").json() == {"status": "ok"}
+    assert client.get("/readyz").json()["status"] == "ready"
+    key = client.get("/v1/keys/signing").json()
+    assert key["algorithm"] == "ed25519" and key["public_key"] == api.settings.public_key_b64()
+    assert len(base64.b64decode(key["public_key"])) == 32
+
+    def down() -> str:
+        raise ConnectionError("store unreachable")
+
+    api.app.state.ready_checks = {"database": lambda: "ok", "store": down}
+    not_ready = client.get("/readyz")
+    assert not_ready.status_code == 503
+    assert not_ready.json()["checks"]["store"] == {"ok": False, "detail": "ConnectionError: store unreachable"}
+    # The default checks include Ray, which this process has not joined.
+    default = TestClient(create_app(api.settings))
+    checks = default.get("/readyz").json()["checks"]
+    assert checks["database"]["ok"] and checks["store"]["ok"] and not checks["ray"]["ok"]
+
+
+def test_metrics_report_builds_queue_durations_gpu_seconds_and_lease_expiries(api):
+    client = TestClient(api.app)
+    headers = api.token("acme")
+    done = client.post("/v1/builds", json=spec(version="1"), headers=headers).json()["id"]
+    client.post("/v1/builds", json=spec(version="2"), headers=headers)
+    finish_build(api, done, gpu_seconds=4.0)
+    families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+    builds = {s.labels["state"]: s.value for s in families["elastify_builds"].samples}
+    assert builds["succeeded"] == 1 and builds["queued"] == 1 and builds["failed"] == 0
+    assert families["elastify_queue_depth"].samples[0].value == 3
+    histogram = {(s.name, s.labels["stage_type"], s.labels.get("le")): s.value
+                 for s in families["elastify_stage_duration_seconds"].samples}
+    assert histogram[("elastify_stage_duration_seconds_bucket", "first", "1.0")] == 0
+    assert histogram[("elastify_stage_duration_seconds_bucket", "first", "5.0")] == 1
+    assert histogram[("elastify_stage_duration_seconds_sum", "first", None)] == 5.0
+    gpu = {s.labels["stage_type"]: s.value for s in families["elastify_gpu_seconds"].samples if s.name.endswith("_total")}
+    assert gpu == {"first": 4.0, "second": 4.0, "third": 4.0}
+    assert families["elastify_lease_expiries"].samples[0].value == 0
+
+
+def test_tokens_and_quota_commands(api, monkeypatch):
+    from api.cli import app as cli
+
+    monkeypatch.setenv("ELASTIFY_DATABASE_URL", api.settings.database_url)
+    runner = CliRunner()
+    created = runner.invoke(cli, ["tokens", "create", "--tenant", "newco"])
+    assert created.exit_code == 0, created.output
+    token = created.stdout.strip().splitlines()[-1]
+    assert token.startswith("elst_")
+    assert TestClient(api.app).get("/v1/builds", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    quota = runner.invoke(cli, ["tenants", "set-quota", "newco", "--gpu-hours-per-month", "5", "--max-concurrent-builds", "1"])
+    assert quota.exit_code == 0, quota.output
+    with api.sessions() as session:
+        row = session.scalar(select(Tenant).where(Tenant.id == "newco"))
+        assert (row.gpu_hours_per_month, row.max_concurrent_builds) == (5.0, 1)
+    bad = runner.invoke(cli, ["tokens", "create", "--tenant", "../etc"])
+    assert bad.exit_code == 2 and "must match" in bad.output
+    assert runner.invoke(cli, ["tenants", "set-quota", "newco"]).exit_code == 2
