@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import print_table
 
 from device_sdk.latency import SLO
 from device_sdk.package import read_manifest
@@ -112,6 +113,40 @@ def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
             "speedup": switching / rematerialise}
 
 
+def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: int, settings: dict, home: Path) -> float:
+    """Wall time of `shards` label shards submitted at once through the worker path on a Ray head of `workers` CPUs.
+
+    Each shard is the real `label` stage attempt (workers.runner.execute via workers.ray_tasks),
+    one CPU each, so one worker runs the shards in turn and two run them side by side.
+    """
+    import ray
+
+    from tests.integration import services
+    from workers.ray_tasks import submit
+    from workers.runner import ExternalInput, StageTask
+    from workers.store import StoreConfig
+
+    def task(index: int, tag: str) -> StageTask:
+        return StageTask(
+            build_id=f"bench-{workers}-{tag}", stage_id=index, stage_key=f"label[{index}]", attempt=1,
+            function="pipeline.label:run",
+            inputs={"package": ExternalInput(str(package)), "tlm": ExternalInput(str(tlm_dir))},
+            outputs=("correctness", "meta"), settings={**settings, "shard": index, "shards": shards},
+            store=StoreConfig(str(home / f"store-{workers}")), output_prefix=f"bench/{workers}/{tag}/{index}")
+
+    ray.shutdown()
+    with services.ray_head(num_cpus=workers, num_gpus=0):
+        warm = [submit(task(i, "warm"), {"num_cpus": 1}) for i in range(workers)]  # start the worker processes
+        ray.get(warm)
+        started = time.perf_counter()
+        results = ray.get([submit(task(i, "timed"), {"num_cpus": 1}) for i in range(shards)])
+        elapsed = time.perf_counter() - started
+    failed = [r["error"] for r in results if not r["ok"]]
+    if failed:
+        raise RuntimeError(f"label shards failed: {failed}")
+    return elapsed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-elastilm"))
@@ -124,6 +159,7 @@ def main() -> None:
     parser.add_argument("--decision-steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse", action="store_true", help="reuse finished stage outputs under --out")
+    parser.add_argument("--ray-items", type=int, default=8, help="per task, for the 1-vs-2 Ray worker labelling run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -169,13 +205,13 @@ def main() -> None:
         for index, task in enumerate(tasks):
             done = args.out / f"{name}-{task}"
             if reuse and (done / "correctness.json").is_file():
-                shards[f"correctness:{index}"] = done / "correctness.safetensors"
-                shards[f"meta:{index}"] = done / "correctness.json"
+                shards[f"correctness.{index}"] = done / "correctness.safetensors"
+                shards[f"meta.{index}"] = done / "correctness.json"
                 continue
             settings = {"tasks": [task], "start": start, "stop": start + per_task, "per_task": None, "ratios": ratios}
             out = label.run({"package": package, "tlm": score}, settings,
                             StageContext(work_dir=args.out / f"{name}-{task}"))
-            shards[f"correctness:{index}"], shards[f"meta:{index}"] = out["correctness"], out["meta"]
+            shards[f"correctness.{index}"], shards[f"meta.{index}"] = out["correctness"], out["meta"]
         return shards
 
     train_shards = stage("label train", lambda: sweep("label-train", 0, args.train_items))
@@ -188,8 +224,8 @@ def main() -> None:
             StageContext(work_dir=args.out / f"decision-{r}")))
         heads[policy] = tlm.load_tlm(out["tlm"])
     test_shards = stage("label held-out", lambda: sweep("label-test", 300, args.test_items))
-    keys = sorted(k.split(":")[1] for k in test_shards if k.startswith("correctness:"))
-    correct, tokens, meta = label.load_shards([(test_shards[f"correctness:{k}"], test_shards[f"meta:{k}"])
+    keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
+    correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
                                                for k in keys])
     profile = latency.profile_from_manifest(read_manifest(package))
     rng = random.Random(0)
@@ -209,21 +245,30 @@ def main() -> None:
         table[str(slo)] = row
     items = label.load_items(tasks[:1], 300, 302)
     speed = stage("throughput", lambda: throughput(package, score, items, ratios[:2], level_names))
+    # Throughput only: the first items of each task, the whole grid, two shards.
+    ray_settings = {"tasks": tasks, "per_task": args.ray_items, "ratios": ratios}
+    ray_one = stage("label on 1 Ray worker", lambda: ray_labelling_seconds(
+        package, score, 1, 2, ray_settings, args.out / "ray"))
+    ray_two = stage("label on 2 Ray workers", lambda: ray_labelling_seconds(
+        package, score, 2, 2, ray_settings, args.out / "ray"))
+    speed |= {"ray_1_worker_s": ray_one, "ray_2_workers_s": ray_two, "ray_speedup": ray_one / ray_two}
     results = {"recover": {k: {"before": v["eval_loss_before"], "after": v["eval_loss_after"]}
                            for k, v in recovered.items()},
                "grid_accuracy": correct.float().mean(0).tolist(), "ratios": meta["ratios"], "levels": meta["levels"],
                "held_out_items": len(meta["items"]), "slo_table": table, "throughput": speed, "timings_s": timings}
     (args.out / "results.json").write_text(json.dumps(results, indent=2))
-    print("\nrecovery eval loss (before -> after):")
-    for name, v in results["recover"].items():
-        print(f"  level {name}: {v['before']:.3f} -> {v['after']:.3f}")
-    print(f"\naccuracy per SLO class on {len(meta['items'])} held-out items (violations in brackets)")
-    print("SLO (ttft,tpot) | " + " | ".join(f"{p:>12}" for p in policies))
-    for slo, row in table.items():
-        print(f"{slo:>15} | " + " | ".join(f"{row[p]['accuracy']:>7.3f} [{row[p]['violations']}]" for p in policies))
-    print(f"\nlabelling throughput: {speed['switching_points_per_s']:.2f} vs {speed['rematerialise_points_per_s']:.2f} "
-          f"grid points/s (x{speed['speedup']:.1f})")
-
+    print_table("recovery: eval loss per level", ["level", "before", "after"],
+                [[name, f"{v['before']:.3f}", f"{v['after']:.3f}"] for name, v in results["recover"].items()])
+    print_table(f"accuracy per SLO class on {len(meta['items'])} held-out items [SLO violations by the cost model]",
+                ["SLO (TTFT, TPOT)", *policies],
+                [[slo, *(f"{row[p]['accuracy']:.3f} [{row[p]['violations']}]" for p in policies)]
+                 for slo, row in table.items()])
+    print_table("labelling throughput", ["measure", "baseline", "ours", "ratio"], [
+        ["grid points/s: zero-copy switching vs re-materialising", f"{speed['rematerialise_points_per_s']:.2f}",
+         f"{speed['switching_points_per_s']:.2f}", f"{speed['speedup']:.1f}x"],
+        ["2 label shards: 2 Ray workers vs 1 (s)", f"{ray_one:.1f}", f"{ray_two:.1f}",
+         f"{speed['ray_speedup']:.2f}x"],
+    ])
 
 if __name__ == "__main__":
     main()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.registry import SOURCE_PREFIX, Registry, StageRegistration
+from cluster.registry import SOURCE_PREFIX, Registry, StageRegistration, input_refs
 from cluster.spec import BuildSpec, SpecError
 
 
@@ -53,16 +53,25 @@ def _topological(stages: list[StageRegistration], problems: list[tuple[str, str]
             problems.append((f"stages.{stage.name}", f"dependency cycle: {' -> '.join(path + (stage.name,))}"))
             return
         state[stage.name] = "active"
-        for ref in stage.inputs.values():
-            upstream = ref.split(".", 1)[0]
-            if not ref.startswith(SOURCE_PREFIX) and upstream in by_name:
-                visit(by_name[upstream], path + (stage.name,))
+        for refs in stage.inputs.values():
+            for ref in input_refs(refs):
+                upstream = ref.split(".", 1)[0]
+                if not ref.startswith(SOURCE_PREFIX) and upstream in by_name:
+                    visit(by_name[upstream], path + (stage.name,))
         state[stage.name] = "done"
         ordered.append(stage)
 
     for stage in stages:
         visit(stage, ())
     return ordered
+
+
+def _first_enabled(refs: tuple[str, ...], shards_of: dict) -> str:
+    """The first alternative whose producer is planned (or a source); else the first, for the error message."""
+    for ref in refs:
+        if ref.startswith(SOURCE_PREFIX) or ref.partition(".")[0] in shards_of:
+            return ref
+    return refs[0]
 
 
 def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
@@ -81,10 +90,13 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
         for key in unknown:
             problems.append((f"stages.{registration.name}.settings.{key}", f"unknown setting; allowed: {sorted(allowed)}"))
         inputs: dict[str, UpstreamInput | ExternalPath] = {}
-        for name, ref in registration.inputs.items():
+        for name, refs in registration.inputs.items():
+            ref = _first_enabled(input_refs(refs), shards_of)
             producer, _, output = ref.partition(".")
             if ref.startswith(SOURCE_PREFIX):
                 path = _source(spec, output)
+                if path is None and name in registration.optional_inputs:
+                    continue
                 if path is None:
                     problems.append((f"source.{output}", f"required by stage {registration.name}"))
                 else:
@@ -106,6 +118,10 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
             resources |= {k: v for k, v in own.resources.model_dump().items() if v is not None}
         max_attempts = own.max_attempts or registration.max_attempts
         shards = registration.fan_out(spec, own.settings) if registration.fan_out else None
+        if shards == []:
+            problems.append((f"stages.{registration.name}", "fans out to no shards with these settings; disable it"))
+            shards_of[registration.name] = []
+            continue
         nodes = (
             [PlannedStage(registration.name, registration.name, None, settings, resources, max_attempts, inputs)]
             if shards is None

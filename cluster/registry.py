@@ -11,6 +11,8 @@ function, inputs and outputs, resources and (optionally) a fan-out rule, e.g. re
     ))
 
 A consumer of a fanned-out stage receives one input per shard, named `<input>.<shard label>`.
+An input may name alternatives, `("recover-install.package", "elastify.package")`: the first
+whose producer is enabled in the build is used, so optional stages can sit in the middle of a chain.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SOURCE_PREFIX = "source."
+
+
+def input_refs(refs: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (refs,) if isinstance(refs, str) else tuple(refs)
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class StageRegistration:
     name: str
     function: str  # "module:function" following the stage contract run(inputs, settings, ctx)
     outputs: tuple[str, ...]
-    inputs: Mapping[str, str] = field(default_factory=dict)  # input -> "source.<field>" or "<stage>.<output>"
+    # input -> "source.<field>" or "<stage>.<output>", or a tuple of alternatives (first enabled wins)
+    inputs: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
     optional_inputs: frozenset[str] = frozenset()  # dropped when their producing stage is disabled
     resources: Resources = Resources()
     settings: Callable[[Any, dict], dict] | None = None  # (spec, own settings) -> pipeline settings

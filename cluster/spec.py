@@ -34,6 +34,10 @@ class Strict(BaseModel):
 
 class SourceSpec(Strict):
     model: str = Field(min_length=1, description="HF model directory or .gguf file readable by the workers")
+    compression_data: str | None = Field(
+        default=None, min_length=1,
+        description="JSONL of {original, compressed} pairs for the TLM score head; default: labels from the model",
+    )
 
 
 class ResourcesSpec(Strict):

@@ -50,11 +50,21 @@ def evaluate_package(package_dir: Path, settings: EvaluateSettings, ctx: StageCo
 
 
 def apply_quality(package_dir: Path, report: dict) -> None:
-    """Record a report's per-level numbers in the manifest (file table refreshed, atomic)."""
+    """Record a report's per-level quality in the manifest (file table refreshed, atomic).
+
+    Takes either report: `evaluate-light`'s {metric, levels: {name: ppl}} or the report card's
+    {levels: {name: {"ppl:<corpus>": …, "accuracy": …, …}}} (its perplexities and accuracy).
+    """
     manifest = read_manifest(package_dir)
     for level in manifest.elastic.levels:
-        if level.name in report["levels"]:
-            level.quality[report["metric"]] = round(float(report["levels"][level.name]), 4)
+        row = report["levels"].get(level.name)
+        if row is None:
+            continue
+        if not isinstance(row, dict):
+            row = {report["metric"]: row}
+        for key, value in row.items():
+            if key.startswith("ppl:") or key == "accuracy":
+                level.quality[key] = round(float(value), 4)
     rewrite_manifest(package_dir, manifest)
 
 
@@ -89,8 +99,11 @@ class ReportCardSettings:
     seed: int = 1
 
 
-def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageContext) -> dict:
-    """Per level (with its recovery LoRA): perplexity per corpus, held-out accuracy, predicted and measured latency."""
+def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageContext, profile=None) -> dict:
+    """Per level (with its recovery LoRA): perplexity per corpus, held-out accuracy, predicted and measured latency.
+
+    `profile` is the cost model to predict latency with; by default the package's own, if it has one.
+    """
     from transformers import AutoTokenizer
 
     from pipeline.label import answer_correct, load_items
@@ -106,7 +119,8 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
                for c in settings.corpora}
     items = [it for task in settings.tasks for it in load_items([task], settings.items_start,
                                                                  settings.items_start + settings.items)]
-    profile = profile_from_manifest(manifest) if manifest.latency_profile else None
+    if profile is None and manifest.latency_profile:
+        profile = profile_from_manifest(manifest)
     levels = {}
     for level in ctx.track(manifest.elastic.levels, "evaluate: report card"):
         set_level_with_adapter(model, level.name)
@@ -156,12 +170,18 @@ def check_gate(card: dict, ppl_noise: float = 0.02, accuracy_noise: float | None
 
 
 def run_card(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Stage `evaluate`: inputs {"package"} -> {"report_card": json}; raises PublishGateError when the gate fails.
+    """Stage `evaluate`: inputs {"package", optional "latency"} -> {"report_card": json}.
 
-    The card is written before the gate is checked, so a failed build still shows its numbers.
+    Raises PublishGateError when the gate fails. The card is written before the gate is
+    checked, so a failed build still shows its numbers.
     """
+    from pipeline.latency import profile_from_dict
+
     options = ReportCardSettings(**settings)
-    card = report_card(Path(inputs["package"]), options, ctx)
+    profile = None
+    if "latency" in inputs:
+        profile = profile_from_dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])
+    card = report_card(Path(inputs["package"]), options, ctx, profile)
     card["gate"] = gate_failures(card, options.ppl_noise, options.accuracy_noise)
     out = ctx.work_dir / "report_card.json"
     atomic_write_bytes(out, json.dumps(card, indent=2).encode())

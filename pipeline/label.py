@@ -156,8 +156,10 @@ def answer_correct(model, tokenizer, item: MCItem, question: str | None = None) 
 class LabelSettings:
     tasks: list[str] = field(default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
     per_task: int | None = 50
-    start: int = 0  # shard = item range [start, stop) of the task list
+    start: int = 0  # the item range [start, stop) of the task list
     stop: int | None = None
+    shard: int = 0  # this worker labels every `shards`-th item of the range, from `shard`
+    shards: int = 1
     ratios: list[float] = field(default_factory=lambda: list(RATIO_GRID))
     levels: list[str] | None = None  # None: every level of the package
     force_tokens: list[str] = field(default_factory=lambda: ["?"])
@@ -216,7 +218,11 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
     unknown = set(levels) - set(worker.levels)
     if unknown:
         raise LabelError(f"levels {sorted(unknown)} are not in the package ({worker.levels})")
-    items = load_items(settings.tasks, settings.start, settings.stop, settings.per_task)
+    if not 0 <= settings.shard < settings.shards:
+        raise LabelError(f"shard must be in [0, {settings.shards}), got {settings.shard}")
+    items = load_items(settings.tasks, settings.start, settings.stop, settings.per_task)[settings.shard::settings.shards]
+    if not items:
+        raise LabelError(f"shard {settings.shard} of {settings.shards} holds no items; use fewer shards")
     correct = worker.sweep(items, settings.ratios, levels, settings.force_tokens, ctx)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors_path, meta_path = out_dir / "correctness.safetensors", out_dir / "correctness.json"
@@ -321,12 +327,18 @@ def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str,
     return label_shard(Path(inputs["package"]), tlm_dir, LabelSettings(**settings), ctx.work_dir, ctx)
 
 
+@dataclass
+class DeriveSettings:
+    slos: list[list[float]] | None = None  # (TTFT, TPOT) fractions; None: the whole SLO-token grid
+
+
 def run_derive(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Fan-in: inputs {"package" or "latency", "correctness:<k>", "meta:<k>", …} -> {"labels": labels.json}."""
-    keys = sorted((k.split(":", 1)[1] for k in inputs if k.startswith("correctness:")), key=_shard_order)
-    pairs = [(Path(inputs[f"correctness:{k}"]), Path(inputs[f"meta:{k}"])) for k in keys]
+    """Fan-in: inputs {"package" or "latency", "correctness.<k>", "meta.<k>", …} -> {"labels": labels.json}."""
+    keys = sorted((k.split(".", 1)[1] for k in inputs if k.startswith("correctness.")), key=_shard_order)
+    pairs = [(Path(inputs[f"correctness.{k}"]), Path(inputs[f"meta.{k}"])) for k in keys]
     correct, tokens, meta = load_shards(pairs)
-    slos = [tuple(s) for s in settings["slos"]] if settings.get("slos") else None
+    options = DeriveSettings(**settings)
+    slos = [tuple(s) for s in options.slos] if options.slos else None
     labels = derive_labels(correct, tokens, meta, load_profile(inputs), slos)
     labels["accuracy"] = correct.float().mean(0).tolist()  # [ratio][level], for the report
     out = ctx.work_dir / "labels.json"

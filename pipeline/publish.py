@@ -1,17 +1,35 @@
-"""Stage `publish`: fold evaluate-light quality into the manifest, sign it, and emit the final package.
+"""Stage `publish`: put the build's other outputs into the package, sign it, and emit the final package.
 
-The input package is copied, never edited in place: stage inputs may be shared cache artifacts.
+Each optional input has an installer that writes it into the package and the manifest:
+quality from the report card, the latency cost model, the TLM, and (CLONE) profiles and
+experts. The input package is copied, never edited in place: stage inputs may be shared
+cache artifacts.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from device_sdk.package import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
 from pipeline.evaluate import apply_quality
+from pipeline.latency import apply_latency
 from pipeline.stage import StageContext
+from pipeline.tlm import install_tlm
+
+
+def _json_installer(apply: Callable[[Path, dict], None]) -> Callable[[Path, Path], None]:
+    return lambda package_dir, path: apply(package_dir, json.loads(Path(path).read_text()))
+
+
+# Publish input name -> how it goes into a package directory (before signing), in this order.
+INSTALLERS: dict[str, Callable[[Path, Path], None]] = {
+    "report": _json_installer(apply_quality),
+    "latency": _json_installer(apply_latency),
+    "tlm": install_tlm,
+}
 
 
 def load_private_key(pem: str | bytes):
@@ -24,15 +42,20 @@ def load_private_key(pem: str | bytes):
     return key
 
 
-def publish_package(package_dir: Path, out_dir: Path, private_key, report: dict | None = None) -> Path:
-    """Write a signed copy of `package_dir` to `out_dir` (with the report's quality if given)."""
+def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[str, Path] | None = None) -> Path:
+    """Write a signed copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
+    extras = extras or {}
+    unknown = sorted(set(extras) - set(INSTALLERS))
+    if unknown:
+        raise ValueError(f"publish cannot install {unknown}; it knows {sorted(INSTALLERS)}")
     read_manifest(package_dir)  # refuse anything that is not a package before copying it
     staging = out_dir.with_name(f".{out_dir.name}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(package_dir, staging)
-    if report is not None:
-        apply_quality(staging, report)
+    for name, install in INSTALLERS.items():
+        if name in extras:
+            install(staging, Path(extras[name]))
     manifest = sign_manifest(read_manifest(staging), private_key)
     atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -41,10 +64,11 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, report: dict 
 
 
 def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"package", optional "report"}, settings {"signing_key": PEM} -> {"package"}."""
+    """Stage entry: inputs {"package", optional extras (see INSTALLERS)}, settings {"signing_key": PEM} -> {"package"}."""
     if not settings.get("signing_key"):
         raise ValueError("publish needs a signing_key (Ed25519 private key, PEM)")
-    report = json.loads(Path(inputs["report"]).read_text()) if "report" in inputs else None
-    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(settings["signing_key"]), report)
-    ctx.logger.info("signed manifest of %s", out)
+    extras = {name: Path(path) for name, path in inputs.items() if name != "package"}
+    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(settings["signing_key"]),
+                          extras)
+    ctx.logger.info("installed %s and signed the manifest of %s", sorted(extras) or "nothing", out)
     return {"package": out}

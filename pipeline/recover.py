@@ -474,13 +474,13 @@ def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str,
 
 
 def run_install(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Fan-in entry: inputs {"package": dir, "adapter:<level>": file, …} -> {"package": dir with adapters}.
+    """Fan-in entry: inputs {"package": dir, "adapter.<level>": file, …} -> {"package": dir with adapters}.
 
     The package is copied (weights hard-linked where the filesystem allows) so the input stays immutable.
     """
-    adapters = {key.split(":", 1)[1]: Path(path) for key, path in inputs.items() if key.startswith("adapter:")}
+    adapters = {key.split(".", 1)[1]: Path(path) for key, path in inputs.items() if key.startswith("adapter.")}
     if not adapters:
-        raise RecoverError("install needs at least one `adapter:<level>` input")
+        raise RecoverError("install needs at least one `adapter.<level>` input (one per recover shard)")
     out = ctx.work_dir / "package"
     copy_package(Path(inputs["package"]), out)
     install_adapters(out, adapters)

@@ -1,4 +1,7 @@
-"""The real thing, small: SmolLM2 profile → elastify → evaluate-light → publish on Ray, PostgreSQL and SeaweedFS."""
+"""The real thing, small: SmolLM2 profile → elastify → evaluate → publish on Ray, PostgreSQL and SeaweedFS.
+
+The ElastiLM stages are switched off here; tests/integration/test_elastilm_chain.py runs them.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from cluster.models import Alias, Package
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
-from cluster.stages import builtin_registry
+from cluster.stages import ELASTILM_STAGES, builtin_registry
 from device_sdk.package import verify_package
 from tests.integration.control_plane import make_settings, started
 
@@ -24,7 +27,9 @@ def test_smollm2_build_publishes_a_signed_verified_package(tmp_path, smollm2_dir
         "levels": [0.5, 1.0],
         "stages": {
             "profile": {"settings": {"windows": 2, "window_length": 32, "layer_method": "block_influence"}},
-            "evaluate": {"settings": {"windows": 2, "window_length": 32}},
+            "evaluate": {"settings": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": [],
+                                      "measure_latency": False}},
+            **{name: {"enabled": False} for name in ELASTILM_STAGES},
         },
         "publish": {"name": "smollm2-test", "version": "0.0.1", "aliases": ["latest", "stable"]},
     })

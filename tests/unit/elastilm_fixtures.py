@@ -98,7 +98,7 @@ def recovered_package() -> Path:
     from pipeline.stage import quiet_context
 
     inputs = {"package": smollm2_elastic_package()}
-    inputs |= {f"adapter:{level}": result["adapter"] for level, result in recovery_results().items()}
+    inputs |= {f"adapter.{level}": result["adapter"] for level, result in recovery_results().items()}
     return Path(recover.run_install(inputs, {}, quiet_context(_ROOT / "install"))["package"])
 
 

@@ -7,7 +7,7 @@ import pytest
 from cluster.dag import ExternalPath, UpstreamInput, plan
 from cluster.registry import Registry, Resources, Shard, StageRegistration
 from cluster.spec import SpecError, parse_spec
-from cluster.stages import builtin_registry
+from cluster.stages import ELASTILM_STAGES, builtin_registry
 from cluster.states import IllegalTransition, Status, check
 
 BASE = {"source": {"model": "/models/x"}, "publish": {"name": "pkg", "version": "1.0"}}
@@ -42,24 +42,57 @@ def test_spec_reads_yaml_and_json_and_hashes_content():
         parse_spec("source: [unclosed")
 
 
-def test_builtin_dag_follows_registrations_and_checks_stage_settings():
-    nodes = plan(parse_spec({**BASE, "stages": {"profile": {"settings": {"windows": 2}}}}), builtin_registry())
-    assert [n.key for n in nodes] == ["profile", "elastify", "evaluate", "publish"]
+def test_builtin_dag_is_the_elastilm_chain_and_checks_stage_settings():
+    spec = parse_spec({**BASE, "levels": [0.5, 0.7, 1.0],
+                       "stages": {"profile": {"settings": {"windows": 2}}, "label": {"settings": {"shards": 3}}}})
+    nodes = plan(spec, builtin_registry())
+    assert [n.key for n in nodes] == [
+        "profile", "elastify", "recover[0.5]", "recover[0.7]", "recover-install", "latency", "tlm-score",
+        "label[0]", "label[1]", "label[2]", "label-derive", "tlm-decision", "evaluate", "publish"]
     by_key = {n.key: n for n in nodes}
     assert by_key["profile"].inputs == {"model": ExternalPath("/models/x")}
     assert by_key["profile"].settings == {"calibration": ["ptb:train"], "windows": 2}
-    assert by_key["publish"].inputs == {"package": UpstreamInput("elastify", "package"),
-                                        "report": UpstreamInput("evaluate", "report")}
+    assert by_key["recover[0.7]"].settings["level"] == "0.7" and by_key["recover[0.7]"].resources["num_cpus"] == 1
+    assert by_key["recover-install"].inputs == {"package": UpstreamInput("elastify", "package"),
+                                                "adapter.0.5": UpstreamInput("recover[0.5]", "adapter"),
+                                                "adapter.0.7": UpstreamInput("recover[0.7]", "adapter")}
+    assert by_key["label[2]"].settings | {"shard": 2, "shards": 3} == by_key["label[2]"].settings
+    assert by_key["label-derive"].inputs["meta.1"] == UpstreamInput("label[1]", "meta")
+    assert by_key["publish"].inputs == {"package": UpstreamInput("recover-install", "package"),
+                                        "report": UpstreamInput("evaluate", "report_card"),
+                                        "latency": UpstreamInput("latency", "latency"),
+                                        "tlm": UpstreamInput("tlm-decision", "tlm")}
     assert by_key["elastify"].settings["name"] == "pkg" and by_key["elastify"].resources["num_cpus"] == 2
 
-    without_eval = plan(parse_spec({**BASE, "stages": {"evaluate": {"enabled": False}}}), builtin_registry())
+
+def test_switching_off_elastilm_stages_falls_back_to_the_alternative_inputs():
+    off = {name: {"enabled": False} for name in ELASTILM_STAGES}
+    nodes = plan(parse_spec({**BASE, "stages": off}), builtin_registry())
+    assert [n.key for n in nodes] == ["profile", "elastify", "evaluate", "publish"]
+    publish = {n.key: n for n in nodes}["publish"]
+    assert publish.inputs == {"package": UpstreamInput("elastify", "package"),
+                              "report": UpstreamInput("evaluate", "report_card")}
+
+    no_decision = plan(parse_spec({**BASE, "stages": {"tlm-decision": {"enabled": False}}}), builtin_registry())
+    assert {n.key: n for n in no_decision}["publish"].inputs["tlm"] == UpstreamInput("tlm-score", "tlm")
+
+    without_eval = plan(parse_spec({**BASE, "stages": {**off, "evaluate": {"enabled": False}}}), builtin_registry())
     assert "report" not in {n.key: n for n in without_eval}["publish"].inputs  # optional input dropped
 
+
+def test_builtin_dag_reports_every_bad_setting_and_missing_dependency():
     with pytest.raises(SpecError) as caught:
         plan(parse_spec({**BASE, "stages": {"profile": {"settings": {"windowz": 2}}, "elastify": {"enabled": False},
                                             "recolour": {}}}), builtin_registry())
     fields = {where for where, _ in caught.value.problems}
-    assert fields == {"stages.profile.settings.windowz", "stages.recolour", "stages.evaluate", "stages.publish"}
+    # The root causes (every stage that reads elastify's package), not their knock-on effects.
+    assert fields == {"stages.profile.settings.windowz", "stages.recolour", "stages.recover",
+                      "stages.recover-install", "stages.latency", "stages.tlm-score"}
+
+    with pytest.raises(SpecError, match="fans out to no shards"):  # only the full level: nothing to recover
+        plan(parse_spec({**BASE, "levels": [1.0]}), builtin_registry())
+    with pytest.raises(SpecError, match="label-derive"):  # labels without their consumer's input
+        plan(parse_spec({**BASE, "stages": {"label": {"enabled": False}}}), builtin_registry())
 
 
 def test_fan_out_is_declared_by_the_registration():

@@ -42,8 +42,8 @@ def derived_labels() -> Path:
 
     inputs = {"package": recovered_package(), "latency": latency_report()}
     for index, shard in enumerate(labelled_shards()):
-        inputs[f"correctness:{index}"] = shard["correctness"]
-        inputs[f"meta:{index}"] = shard["meta"]
+        inputs[f"correctness.{index}"] = shard["correctness"]
+        inputs[f"meta.{index}"] = shard["meta"]
     return label.run_derive(inputs, {}, quiet_context(scratch("derive")))["labels"]
 
 

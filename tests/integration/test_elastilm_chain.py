@@ -1,0 +1,105 @@
+"""The whole ElastiLM chain as one build on Ray, PostgreSQL and SeaweedFS, then served by the SDK.
+
+profile → elastify → recover × levels → recover-install → latency → tlm-score → label × shards
+→ label-derive → tlm-decision → evaluate → publish, on SmolLM2 with small grids. The published
+package is pulled and `generate` follows the package's TLM decision.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.packages import package_prefix
+from cluster.service import build_summary, submit_build
+from cluster.spec import parse_spec
+from cluster.stages import builtin_registry
+from device_sdk.latency import SLO
+from device_sdk.runtime import ElasticModel
+from device_sdk.tlm import TLM
+from tests.integration.control_plane import make_settings, started
+from workers.store import ArtifactRef
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SMALL = {
+    "profile": {"windows": 2, "window_length": 32, "layer_method": "block_influence"},
+    "recover": {"steps": 6, "batch_size": 2, "seq_len": 32, "eval_windows": 2, "lr": 2e-3, "warmup_steps": 1,
+                "corpus": ["ptb:valid"], "eval_corpus": ["ptb:test"]},
+    "latency": {"prompt_lengths": [16, 48], "decode_tokens": 3, "repeats": 1},
+    "tlm-score": {"passages": 8, "passage_words": 30, "steps": 6, "batch_size": 4, "max_length": 64},
+    "label": {"shards": 2, "tasks": ["arc_easy"], "per_task": 4, "ratios": [0.5, 1.0]},
+    "tlm-decision": {"steps": 6, "batch_size": 8},
+    "evaluate": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": ["arc_easy"], "items": 4,
+                 "measure_latency": False, "gate": False},
+}
+
+
+def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2_dir, pg_url, s3_store,
+                                                                ray_cluster):
+    settings = make_settings(tmp_path, pg_url, s3_store, lease_seconds=60.0)
+    registry = builtin_registry()
+    spec = parse_spec({
+        "source": {"model": str(smollm2_dir)},
+        "levels": [0.5, 0.7, 1.0],
+        "stages": {name: {"settings": own} for name, own in SMALL.items()},
+        "publish": {"name": "smollm2-elastilm", "version": "0.0.1"},
+    })
+    scheduler = started(settings, registry)
+    try:
+        build_id = submit_build(scheduler.sessions, spec, registry)
+        scheduler.run_until_done([build_id], timeout=1500)
+        summary = build_summary(scheduler.sessions, build_id)
+        store = scheduler.store
+    finally:
+        scheduler.close()
+    assert summary["status"] == "succeeded", summary
+    stages = {s["key"]: s for s in summary["stages"]}
+    assert set(stages) == {"profile", "elastify", "recover[0.5]", "recover[0.7]", "recover-install", "latency",
+                           "tlm-score", "label[0]", "label[1]", "label-derive", "tlm-decision", "evaluate",
+                           "publish"}
+    assert all(len(s["attempts"]) == 1 and s["attempts"][0]["status"] == "succeeded" for s in stages.values())
+
+    # Recovery lowered the eval loss at both reduced levels.
+    for level in ("0.5", "0.7"):
+        artifact = stages[f"recover[{level}]"]["artifacts"]["metrics"]
+        ref = ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"])
+        metrics = json.loads(store.get_artifact(ref, tmp_path / f"recover-{level}").read_text())
+        assert metrics["eval_loss_after"] < metrics["eval_loss_before"], metrics
+
+    # Pull the published package and check every part the chain put in.
+    prefix = package_prefix("smollm2-elastilm", "0.0.1")
+    local = tmp_path / "pulled"
+    for key in store.list(prefix):
+        store.get_file(key, local / key[len(prefix) + 1:])
+    model = ElasticModel.load(local, public_key=settings.public_key_b64())
+    manifest = model.manifest
+    assert [level.adapter for level in manifest.elastic.levels] == [
+        "adapters/recovery/0.5.safetensors", "adapters/recovery/0.7.safetensors", None]
+    assert set(manifest.latency_profile["levels"]) == {"0.5", "0.7", "1.0"}
+    assert manifest.tlm["levels"] == ["0.5", "0.7", "1.0"]
+    assert all("ppl:ptb:test" in level.quality and "accuracy" in level.quality for level in manifest.elastic.levels)
+
+    # The SDK serves with the TLM's decision, judged by the device's profile (the build host's here).
+    assert model.tlm is not None
+    model.latency_profile = _profile_from(manifest)
+    prompt = "Question: Which gas do plants take in from the air to make food?\nAnswer:"
+    out = model.generate(prompt, slo=SLO.fraction(ttft=0.6, tpot=0.8), max_new_tokens=3)
+    expected_ratio, expected_level, feasible = TLM.load(local / "tlm").decide(
+        prompt, 0.6, 0.8, lambda r, m: _feasible(model, m, r, out.decision, prompt))
+    assert (out.decision.prompt_ratio, out.level, out.decision.feasible) == (expected_ratio, expected_level, feasible)
+    assert out.tokens and out.level in {"0.5", "0.7", "1.0"}
+
+
+def _profile_from(manifest):
+    from pipeline.latency import profile_from_manifest
+
+    return profile_from_manifest(manifest)
+
+
+def _feasible(model, level, ratio, decision, prompt):
+    from device_sdk.latency import feasible
+
+    tokens = len(model.tokenizer.encode(prompt).ids)
+    return feasible(model.latency_profile, level, ratio, tokens, SLO.fraction(ttft=0.6, tpot=0.8))
