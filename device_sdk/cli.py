@@ -61,7 +61,9 @@ def cmd_generate(args) -> int:
         print(piece, end="", flush=True)
     result = stream.result
     tpot = "-" if result.tpot_ms is None else f"{result.tpot_ms:.1f}"
-    print(f"\n[level {result.level}, TTFT {result.ttft_ms:.1f} ms, TPOT {tpot} ms, slo_met={result.slo_met}]",
+    ratio = result.decision.prompt_ratio if result.decision else 1.0
+    print(f"\n[level {result.level}, prompt ratio {ratio}, TTFT {result.ttft_ms:.1f} ms, TPOT {tpot} ms, "
+          f"slo_met={result.slo_met}]",
           file=sys.stderr)
     return 0
 

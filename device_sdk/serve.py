@@ -7,7 +7,7 @@
 Several apps share one model: one request runs at a time (a single worker thread owns the
 model, so level switches never race a generation); up to `max_queue` more wait, and the
 rest get 503 at once. Streaming answers are server-sent events, ending with `data: [DONE]`.
-The response's extra `elastify` object reports the chosen level, TTFT, TPOT and `slo_met`.
+The response's extra `elastify` object reports the chosen level and prompt ratio, TTFT, TPOT and `slo_met`.
 """
 
 from __future__ import annotations
@@ -190,6 +190,7 @@ def completion_body(ident: str, model_name: str, text: str, result) -> dict:
         }
         body["elastify"] = {
             "level": result.level,
+            "prompt_ratio": result.decision.prompt_ratio if result.decision else 1.0,
             "ttft_ms": round(result.ttft_ms, 3),
             "tpot_ms": None if result.tpot_ms is None else round(result.tpot_ms, 3),
             "slo_met": result.slo_met,

@@ -1,4 +1,4 @@
-"""Commands that talk to the control plane: `up`, `build submit|status|cancel`, `usage`, and the demo."""
+"""Commands that talk to the control plane: `up`, `admin build submit|status|cancel`, `admin usage`, and the demo."""
 
 from __future__ import annotations
 
@@ -116,10 +116,13 @@ def usage(by: str = typer.Option("build", help="build, stage_type, tenant or day
 
 
 def mount(app: typer.Typer) -> None:
-    """Add these commands to the `elastify` CLI."""
+    """Add these commands to the `elastify` CLI; the database-direct ones under `admin`
+    (users go through the API: `elastify submit`, `builds`, `usage`, in api/commands/client.py)."""
     app.command("up")(up)
-    app.add_typer(build_app, name="build")
-    app.command("usage")(usage)
+    admin_app = typer.Typer(no_args_is_help=True, help="Operator commands that read and write the database directly.")
+    admin_app.add_typer(build_app, name="build")
+    admin_app.command("usage")(usage)
+    app.add_typer(admin_app, name="admin")
     app.command("demo")(embedded_demo)
 
 
@@ -135,10 +138,16 @@ def demo_spec(model_dir: Path) -> dict:
         "source": {"model": str(model_dir)},
         "calibration": ["ptb:train"],
         "levels": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+        # The whole ElastiLM chain, sized to finish in minutes on a laptop CPU (production runs the defaults).
         "stages": {
             "profile": {"settings": {"windows": 16, "window_length": 128}},
             "elastify": {"settings": {"anchor_fraction": 0.2}},
-            "evaluate": {"settings": {"windows": 8}},
+            "recover": {"settings": {"steps": 30, "batch_size": 4, "seq_len": 128, "eval_windows": 4, "lr": 5e-4}},
+            "latency": {"settings": {"prompt_lengths": [32, 128], "repeats": 1}},
+            "tlm-score": {"settings": {"passages": 32, "passage_words": 60, "steps": 60}},
+            "label": {"settings": {"tasks": ["arc_easy", "sciq"], "per_task": 10, "ratios": [0.5, 0.7, 1.0]}},
+            "tlm-decision": {"settings": {"steps": 100}},
+            "evaluate": {"settings": {"windows": 8, "items": 20}},
         },
         "publish": {"name": "smollm2-135m-elastic", "version": f"0.1.0-{code}", "aliases": ["latest"]},
     }
