@@ -10,11 +10,14 @@ sends one `event: end` whose data is `{"status": <build status>}` and closes.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Literal
+from datetime import UTC
+from datetime import datetime as _datetime
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+# The job store keeps naive UTC; on the wire every time carries its offset (RFC 3339, `…Z`).
+datetime = Annotated[_datetime, AfterValidator(lambda t: t if t.tzinfo else t.replace(tzinfo=UTC))]
 BuildStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 UsageGroup = Literal["tenant", "build", "stage_type", "day"]
 
