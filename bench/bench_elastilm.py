@@ -1,6 +1,6 @@
 """ElastiLM benchmark on SmolLM2: accuracy per SLO class for six policies, SLO violations, labelling throughput.
 
-Runs the offline chain as plain stage calls (no Ray): cheap profile → elastify → recover per
+Runs the offline chain as plain stage calls: cheap profile → elastify → recover per
 level → latency → tlm-score → label (train items) → derive → tlm-decision (both label rules),
 then labels held-out items over the same grid so every policy's answer is a lookup:
 
@@ -13,7 +13,9 @@ then labels held-out items over the same grid so every policy's answer is a look
 
 A policy whose pair is infeasible under the cost model counts one SLO violation.
 Throughput: grid points per second of one worker switching zero-copy vs. re-materialising
-the sub-model (reload + copy of the kept weights) per grid point.
+the sub-model (reload + copy of the kept weights) per grid point; and two label shards through
+the real worker path on a Ray head with 1 vs 2 CPUs. Defaults are the full grids: levels
+0.2…1.0 × prompt ratios 0.3…1.0, ARC-E, OBQA, PIQA and SciQ.
 
   .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm
 """
@@ -150,13 +152,13 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-elastilm"))
-    parser.add_argument("--levels", default="0.4,0.6,0.8,1.0")
-    parser.add_argument("--ratios", default="0.4,0.6,0.8,1.0")
-    parser.add_argument("--tasks", default="arc_easy,sciq")
-    parser.add_argument("--train-items", type=int, default=12, help="per task, for the decision labels")
-    parser.add_argument("--test-items", type=int, default=12, help="per task, held out")
+    parser.add_argument("--levels", default="0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    parser.add_argument("--ratios", default="0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0")
+    parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq")
+    parser.add_argument("--train-items", type=int, default=20, help="per task, for the decision labels")
+    parser.add_argument("--test-items", type=int, default=20, help="per task, held out")
     parser.add_argument("--recover-steps", type=int, default=20)
-    parser.add_argument("--decision-steps", type=int, default=150)
+    parser.add_argument("--decision-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse", action="store_true", help="reuse finished stage outputs under --out")
     parser.add_argument("--ray-items", type=int, default=8, help="per task, for the 1-vs-2 Ray worker labelling run")
