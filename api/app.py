@@ -19,7 +19,7 @@ from http import HTTPStatus
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
-from api import problems
+from api import dashboard, problems
 from api.metrics import job_store_registry
 from api.routes import EXAMPLES, builds, health, packages, usage
 from cluster.db import make_engine, session_factory
@@ -50,7 +50,7 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     }
     problems.install(app)
     app.add_middleware(problems.BodyLimit, limit=max_body_bytes)
-    for module in (builds, packages, usage, health):
+    for module in (builds, packages, usage, health, dashboard):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, max_body_bytes)
     return app

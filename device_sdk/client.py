@@ -8,8 +8,10 @@ of `repr`, error messages and logs.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -125,18 +127,24 @@ class ElastifyClient:
     # ------------------------------------------------------------------ builds
 
     def submit(self, spec: dict | str, idempotency_key: str | None = None) -> dict:
-        """POST /v1/builds. `spec` is a BuildSpec as a dict, or its YAML/JSON text."""
+        """POST /v1/builds. `spec` is a BuildSpec as a dict or JSON text (the CLI reads YAML files).
+
+        The same `idempotency_key` with the same spec returns the first build; with another spec, 409.
+        """
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except ValueError as err:
+                raise ValueError(f"the spec text is not JSON ({err}); load YAML into a dict first") from None
         headers = {"Accept": "application/json"}
         if idempotency_key:
             headers["Idempotency-Key"] = idempotency_key
-        if isinstance(spec, str):
-            headers["Content-Type"] = "application/yaml"
         with self.request("POST", "/v1/builds", body=spec, headers=headers) as response:
             return json.loads(response.read())
 
-    def builds(self, *, status: str | None = None, name: str | None = None, owner: str | None = None,
+    def builds(self, *, status: str | list[str] | None = None, name: str | None = None, owner: str | None = None,
                limit: int | None = None, cursor: str | None = None) -> dict:
-        """One page of GET /v1/builds: {"items": [...], "next_cursor": str | None}."""
+        """One page of GET /v1/builds, newest first: {"items": [...], "next_cursor": str | None}."""
         params = {"status": status, "name": name, "owner": owner, "limit": limit, "cursor": cursor}
         return self._json("GET", "/v1/builds", params=params)
 
@@ -160,33 +168,42 @@ class ElastifyClient:
         """Re-run a build's failed stages; finished ones are reused."""
         return self._json("POST", f"/v1/builds/{_segment(build_id)}/retry")
 
-    def logs(self, build_id: str, follow: bool = True) -> Iterator[ServerEvent]:
-        """The build's events as Server-Sent Events; with `follow`, until the build ends.
+    def logs(self, build_id: str, after: int | None = None, reconnects: int = 5) -> Iterator[ServerEvent]:
+        """Follow the build's events (Server-Sent Events) until it ends, from event id `after`.
 
-        A dropped stream is resumed with Last-Event-ID, so no event is seen twice.
+        Each event's `data` is a LogEvent (`event.json()`); the last one is `end` with the build's
+        status. A dropped or silent stream is resumed with Last-Event-ID, so no event is seen twice;
+        a quiet build (a long stage) is not an error, `reconnects` failed connections in a row are.
         """
-        last_id = None
+        last_id = None if after is None else str(after)
+        failures = 0
         while True:
             headers = {"Accept": "text/event-stream"}
             if last_id is not None:
                 headers["Last-Event-ID"] = last_id
-            params = {"follow": str(follow).lower()}
             try:
-                with self.request("GET", f"/v1/builds/{_segment(build_id)}/logs", params=params, headers=headers,
+                with self.request("GET", f"/v1/builds/{_segment(build_id)}/logs", headers=headers,
                                   timeout=max(self.timeout, 60.0)) as response:
+                    failures = 0
                     for event in _parse_sse(response):
                         if event.id is not None:
                             last_id = event.id
                         yield event
-                return
-            except (ConnectionError, TimeoutError) as err:
-                if not follow or last_id is None:
+                        if event.event == "end":
+                            return
+            except TimeoutError:
+                continue  # nothing for a while: ask again from the last event seen
+            except (ConnectionError, http.client.HTTPException, ElastifyAPIError) as err:
+                if isinstance(err, ElastifyAPIError) and err.status != 0:
+                    raise
+                failures += 1
+                if failures > reconnects:
                     raise ElastifyAPIError(0, "log stream interrupted", str(err)) from None
+                time.sleep(min(5.0, 0.2 * 2**failures))
 
     def logs_text(self, build_id: str) -> str:
         """The build's log so far, as plain text."""
-        with self.request("GET", f"/v1/builds/{_segment(build_id)}/logs", params={"follow": "false"},
-                          headers={"Accept": "text/plain"}) as response:
+        with self.request("GET", f"/v1/builds/{_segment(build_id)}/logs", headers={"Accept": "text/plain"}) as response:
             return response.read().decode()
 
     # ------------------------------------------------------------------ packages
@@ -199,14 +216,14 @@ class ElastifyClient:
         """GET /v1/packages/{name}/versions: each version with the aliases that point at it."""
         return self._json("GET", f"/v1/packages/{_segment(name)}/versions")["items"]
 
-    def manifest_bytes(self, name: str, version: str) -> bytes:
-        """The signed manifest exactly as stored (verify it before trusting it)."""
-        with self.request("GET", f"/v1/packages/{_segment(name)}/{_segment(version)}/manifest",
-                          headers={"Accept": "application/json"}) as response:
-            return response.read()
-
     def manifest(self, name: str, version: str) -> dict:
-        return json.loads(self.manifest_bytes(name, version))
+        """GET /v1/packages/{name}/{version}/manifest (`version` may be an alias)."""
+        return self._json("GET", f"/v1/packages/{_segment(name)}/{_segment(version)}/manifest")
+
+    def manifest_bytes(self, name: str, version: str) -> bytes:
+        """The signed manifest.json byte for byte, as a package file (verify it before trusting it)."""
+        with self.open_file(name, version, "manifest.json") as response:
+            return response.read()
 
     def open_file(self, name: str, version: str, path: str, byte_range: tuple[int, int] | None = None):
         """An open response for one package file (bytes [start, end) with `byte_range`).

@@ -23,6 +23,7 @@ from cluster.states import TERMINAL, Status
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
 BUILD_ID = r"^[0-9a-f]{1,32}$"
 SSE_POLL_SECONDS = 0.5
+SSE_KEEPALIVE_SECONDS = 15.0
 
 SPEC_EXAMPLE = {
     "source": {"model": "/models/smollm2-135m-instruct"},
@@ -151,6 +152,7 @@ async def logs(
     async def stream():
         nonlocal events, status
         seen = start
+        quiet = 0.0
         while True:
             for event in events:
                 seen = event["id"]
@@ -161,6 +163,10 @@ async def logs(
                 return
             if await request.is_disconnected():
                 return
+            quiet = 0.0 if events else quiet + SSE_POLL_SECONDS
+            if quiet >= SSE_KEEPALIVE_SECONDS:  # a comment line: clients and proxies see a live stream during long stages
+                quiet = 0.0
+                yield b": keepalive\n\n"
             if not events:
                 await asyncio.sleep(SSE_POLL_SECONDS)
             events, status = await run_in_threadpool(page, seen)

@@ -1,0 +1,370 @@
+"""Commands that talk to a running Elastify server over REST (device_sdk.client.ElastifyClient).
+
+`submit`, `builds list|show|cancel|retry`, `logs`, `packages list|show|pull`, `aliases set`
+and `usage`. The server and token come from --server/--token or ELASTIFY_SERVER/ELASTIFY_TOKEN;
+the token is never printed. Tables go to stdout, progress and messages to stderr.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from api.progress import console, fail, progress_bars
+from device_sdk.client import DEFAULT_SERVER, ElastifyAPIError, ElastifyClient
+
+out = Console(highlight=False)  # stdout: what scripts read
+
+Server = Annotated[str, typer.Option("--server", envvar="ELASTIFY_SERVER", help="the API's base URL",
+                                     show_default=DEFAULT_SERVER)]
+Token = Annotated[str | None, typer.Option("--token", envvar="ELASTIFY_TOKEN", show_default=False,
+                                           help="bearer token (prefer the ELASTIFY_TOKEN variable)")]
+AsJSON = Annotated[bool, typer.Option("--json", help="print the server's JSON instead of a table")]
+
+builds_app = typer.Typer(no_args_is_help=True, help="List, inspect, cancel and retry builds.")
+packages_app = typer.Typer(no_args_is_help=True, help="List, inspect and pull packages.")
+aliases_app = typer.Typer(no_args_is_help=True, help="Move package aliases.")
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@contextlib.contextmanager
+def connected(server: str, token: str | None) -> Iterator[ElastifyClient]:
+    """A client; any API error becomes a clear message and a non-zero exit (2 for a 4xx)."""
+    try:
+        yield ElastifyClient(server or DEFAULT_SERVER, token=token)
+    except ElastifyAPIError as err:
+        if 400 <= err.status < 500:
+            fail(str(err))
+        console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(code=1) from None
+    except ValueError as err:
+        fail(str(err))
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.4f}"
+
+
+def _print_json(data) -> None:
+    out.print_json(json.dumps(data, default=str))
+
+
+# --------------------------------------------------------------------------- builds
+
+
+def submit(
+    spec: Annotated[Path, typer.Argument(help="BuildSpec file (YAML or JSON)")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="stream the build's progress until it ends")] = False,
+    idempotency_key: Annotated[str | None, typer.Option(help="resubmitting with the same key returns the same build")] = None,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """Submit a build; prints its id on stdout."""
+    import yaml
+
+    try:
+        body = yaml.safe_load(spec.read_text())
+    except OSError as err:
+        fail(f"cannot read {spec}: {err.strerror}")
+    except yaml.YAMLError as err:
+        fail(f"{spec} is not valid YAML or JSON: {err}")
+    if not isinstance(body, dict):
+        fail(f"{spec} must hold a mapping (a BuildSpec), not {type(body).__name__}")
+    with connected(server, token) as client:
+        build = client.submit(body, idempotency_key=idempotency_key)
+        print(build["id"])
+        if follow:
+            _follow(client, build["id"])
+
+
+def _follow(client: ElastifyClient, build_id: str) -> None:
+    """Per-stage progress bars and state lines from the SSE log until the build ends; exit 1 unless it succeeded."""
+    status = None
+    with progress_bars() as on_progress:
+        summary = client.build(build_id)
+        on_progress("stages", summary["stages_done"], summary["stages_total"])
+        for event in client.logs(build_id):
+            if event.event == "end":
+                status = event.json()["status"]
+                break
+            data = event.json()
+            where = f"[{data['stage']}] " if data.get("stage") else ""
+            if data["kind"] == "progress" and data.get("data"):
+                on_progress(f"{data['stage']}: {data['message']}", data["data"]["done"], data["data"]["total"])
+                continue
+            console.print(f"{where}{data['message']}", markup=False, highlight=False)
+            if data["kind"] == "state":
+                summary = client.build(build_id)
+                on_progress("stages", summary["stages_done"], summary["stages_total"])
+    summary = client.build(build_id)
+    _stage_table(summary)
+    if (status or summary["status"]) != "succeeded":
+        console.print(f"[bold red]build {build_id} {summary['status']}[/]" + (f": {summary['error']}" if summary["error"] else ""))
+        raise typer.Exit(code=1)
+    if summary.get("package"):
+        console.print(f"published {summary['package']['name']} {summary['package']['version']}")
+
+
+@builds_app.command("list")
+def builds_list(
+    status: Annotated[str | None, typer.Option(help="queued, running, succeeded, failed or cancelled")] = None,
+    name: Annotated[str | None, typer.Option(help="package name the build publishes")] = None,
+    owner: Annotated[str | None, typer.Option(help="tenant (admins only see other tenants)")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="at most this many builds")] = 50,
+    as_json: AsJSON = False,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """Builds, newest first."""
+    with connected(server, token) as client:
+        builds = []
+        for build in client.iter_builds(status=status, name=name, owner=owner, limit=min(limit, 100)):
+            builds.append(build)
+            if len(builds) >= limit:
+                break
+    if as_json:
+        _print_json(builds)
+        return
+    table = Table(title=f"{len(builds)} builds")
+    for column in ("id", "package", "tenant", "status", "stages", "GPU h", "created"):
+        table.add_column(column, justify="right" if column in ("stages", "GPU h") else "left")
+    for b in builds:
+        table.add_row(b["id"], f"{b['name']} {b['version']}", b["tenant"], b["status"],
+                      f"{b['stages_done']}/{b['stages_total']}", _hours(b["gpu_seconds"]), str(b["created_at"])[:19])
+    out.print(table)
+
+
+@builds_app.command("show")
+def builds_show(build_id: str, as_json: AsJSON = False, server: Server = "", token: Token = None) -> None:
+    """A build's stages, attempts, cache hits and compute."""
+    with connected(server, token) as client:
+        build = client.build(build_id)
+    if as_json:
+        _print_json(build)
+        return
+    out.print(f"build {build['id']} ({build['name']} {build['version']}, tenant {build['tenant']}): "
+              f"{build['status']}, {build['stages_done']}/{build['stages_total']} stages, "
+              f"{build['cache_hits']} from cache, {_hours(build['gpu_seconds'])} GPU h, {_hours(build['cpu_seconds'])} CPU h")
+    if build.get("error"):
+        out.print(f"error: {build['error']}", markup=False)
+    _stage_table(build)
+
+
+def _stage_table(build: dict) -> None:
+    table = Table(title=f"stages of {build['id']}")
+    for column in ("stage", "status", "cache", "attempts", "progress", "wall s", "GPU s"):
+        table.add_column(column, justify="left" if column in ("stage", "status") else "right")
+    for stage in build["stages"]:
+        progress = stage.get("progress")
+        table.add_row(stage["key"], stage["status"], "hit" if stage["cache_hit"] else "",
+                      str(len(stage["attempts"])), f"{progress['done']}/{progress['total']}" if progress else "",
+                      f"{sum(a['wall_seconds'] for a in stage['attempts']):.1f}", f"{stage['gpu_seconds']:.1f}")
+    out.print(table)
+
+
+@builds_app.command("cancel")
+def builds_cancel(build_id: str, server: Server = "", token: Token = None) -> None:
+    """Cancel a build: queued stages stop at once, running ones are cancelled by the scheduler."""
+    with connected(server, token) as client:
+        build = client.cancel(build_id)
+    console.print(f"build {build_id}: {build['status']}" + (" (cancellation requested)" if build.get("cancel_requested") else ""))
+
+
+@builds_app.command("retry")
+def builds_retry(
+    build_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f")] = False,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """Re-run a failed or cancelled build's unfinished stages; finished ones are reused."""
+    with connected(server, token) as client:
+        build = client.retry(build_id)
+        console.print(f"build {build_id}: {build['status']}")
+        if follow:
+            _follow(client, build_id)
+
+
+def logs(
+    build_id: str,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="keep streaming until the build ends")] = False,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """A build's log: state changes, stage logs and progress."""
+    with connected(server, token) as client:
+        if not follow:
+            print(client.logs_text(build_id), end="")
+            return
+        for event in client.logs(build_id):
+            if event.event == "end":
+                console.print(f"build {event.json()['status']}")
+                return
+            data = event.json()
+            if data["kind"] == "progress":
+                continue  # the plain log keeps the lines; progress is for bars (`submit --follow`)
+            stage = f" [{data['stage']}]" if data.get("stage") else ""
+            print(f"{str(data['time'])[:19]}{stage} {data['message']}", flush=True)
+
+
+# --------------------------------------------------------------------------- packages
+
+
+@packages_app.command("list")
+def packages_list(as_json: AsJSON = False, server: Server = "", token: Token = None) -> None:
+    """Your packages, with their latest version and aliases."""
+    with connected(server, token) as client:
+        packages = client.packages()
+    if as_json:
+        _print_json(packages)
+        return
+    table = Table(title=f"{len(packages)} packages")
+    for column in ("name", "versions", "latest", "aliases", "updated"):
+        table.add_column(column)
+    for p in packages:
+        aliases = ", ".join(f"{a} → {v}" for a, v in sorted(p["aliases"].items()))
+        table.add_row(p["name"], str(p["versions"]), p["latest_version"], aliases, str(p["updated_at"])[:19])
+    out.print(table)
+
+
+@packages_app.command("show")
+def packages_show(
+    name: str,
+    version: Annotated[str | None, typer.Argument(help="a version: print its manifest summary")] = None,
+    as_json: AsJSON = False,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """A package's versions, or one version's manifest."""
+    with connected(server, token) as client:
+        if version is None:
+            versions = client.versions(name)
+        else:
+            manifest = client.manifest(name, version)
+    if version is None:
+        if as_json:
+            _print_json(versions)
+            return
+        table = Table(title=f"versions of {name}")
+        for column in ("version", "aliases", "build", "manifest sha256", "created"):
+            table.add_column(column)
+        for v in versions:
+            table.add_row(v["version"], ", ".join(v["aliases"]), v["build_id"], v["manifest_sha256"][:16],
+                          str(v["created_at"])[:19])
+        out.print(table)
+        return
+    if as_json:
+        _print_json(manifest)
+        return
+    levels = manifest.get("elastic", {}).get("levels", [])
+    out.print(f"{manifest['name']} {manifest['version']} (format {manifest['format_version']}, build {manifest.get('build_id')})")
+    out.print(f"source: {manifest.get('source', {}).get('model')}")
+    table = Table(title=f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']):,} bytes; levels")
+    for column in ("level", "active fraction", "adapter"):
+        table.add_column(column)
+    for level in levels:
+        table.add_row(str(level.get("ratio", level.get("name"))), f"{level.get('active_fraction', 0):.3f}", level.get("adapter") or "")
+    out.print(table)
+
+
+@packages_app.command("pull")
+def packages_pull(
+    name: str,
+    version: Annotated[str, typer.Argument(help="a version or an alias such as latest")] = "latest",
+    public_key: Annotated[str | None, typer.Option(envvar="ELASTIFY_PUBLIC_KEY",
+                                                   help="the publisher's pinned base64 Ed25519 key; "
+                                                        "without it, the server's key is fetched and shown")] = None,
+    max_level: Annotated[str | None, typer.Option(help="fetch only what levels up to this one need")] = None,
+    cache_dir: Annotated[Path | None, typer.Option(help="default ~/.cache/elastify/packages")] = None,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """Download a package through the API, verify every byte and the signature, and install it."""
+    from device_sdk.package import PackageError
+    from device_sdk.registry import pull, read_local_state
+
+    with connected(server, token) as client:
+        if public_key is None:
+            public_key = client.signing_key()
+            console.print(f"verifying against the server's key {public_key} (pin it with --public-key)")
+        bars = Progress(TextColumn(f"{name} {version}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), console=console)
+        task = bars.add_task("download", total=None)
+        try:
+            with bars:
+                path = pull(name, version, registry=client, public_key=public_key, max_level=max_level,
+                            cache_dir=cache_dir, on_progress=lambda done, total: bars.update(task, completed=done, total=total))
+        except PackageError as err:
+            fail(str(err))
+        except ConnectionError as err:
+            console.print(f"[bold red]error:[/] {err}")
+            raise typer.Exit(code=1) from None
+    state = read_local_state(path)
+    held = "every level" if state["max_level"] is None else f"levels <= {state['max_level']}"
+    console.print(f"verified {name} {state['version']} ({held}, {state['bytes']:,} bytes)")
+    print(path)
+
+
+@aliases_app.command("set")
+def aliases_set(name: str, alias: str, version: str, server: Server = "", token: Token = None) -> None:
+    """Point ALIAS of package NAME at VERSION."""
+    with connected(server, token) as client:
+        moved = client.set_alias(name, alias, version)
+    console.print(f"{moved['name']} {moved['alias']} → {moved['version']}")
+
+
+# --------------------------------------------------------------------------- usage
+
+
+def usage(
+    by: Annotated[str, typer.Option(help="comma-separated groups: tenant, build, stage_type, day")] = "stage_type",
+    build: Annotated[str | None, typer.Option(help="only this build")] = None,
+    stage_type: Annotated[str | None, typer.Option(help="only this stage type")] = None,
+    tenant: Annotated[str | None, typer.Option(help="only this tenant (admins)")] = None,
+    since: Annotated[str | None, typer.Option(help="from this UTC day, YYYY-MM-DD")] = None,
+    until: Annotated[str | None, typer.Option(help="up to this UTC day, YYYY-MM-DD")] = None,
+    as_json: AsJSON = False,
+    server: Server = "",
+    token: Token = None,
+) -> None:
+    """GPU-hours and CPU-hours of every attempt (failed ones too), rolled up."""
+    groups = [g.strip() for g in by.split(",") if g.strip()]
+    with connected(server, token) as client:
+        report = client.usage(group_by=groups, build=build, stage_type=stage_type, tenant=tenant, since=since, until=until)
+    if as_json:
+        _print_json(report)
+        return
+    table = Table(title=f"usage by {', '.join(report['group_by'])}: {report['total_gpu_hours']:.4f} GPU h, "
+                        f"{report['total_cpu_hours']:.4f} CPU h")
+    for column in (*report["group_by"], "attempts", "GPU h", "CPU h", "wall s"):
+        table.add_column(column, justify="left" if column in report["group_by"] else "right")
+    for row in report["rows"]:
+        table.add_row(*(str(row[g]) for g in report["group_by"]), str(row["attempts"]), f"{row['gpu_hours']:.4f}",
+                      f"{row['cpu_hours']:.4f}", f"{row['wall_seconds']:.1f}")
+    out.print(table)
+
+
+def mount(app: typer.Typer) -> None:
+    """Add the REST client commands to the `elastify` CLI."""
+    app.command("submit")(submit)
+    app.add_typer(builds_app, name="builds")
+    app.command("logs")(logs)
+    app.add_typer(packages_app, name="packages")
+    app.add_typer(aliases_app, name="aliases")
+    app.command("usage")(usage)

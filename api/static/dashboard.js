@@ -1,0 +1,136 @@
+"use strict";
+// The GPU-hour dashboard: reads /v1/usage and /v1/builds with the caller's bearer token and
+// redraws every few seconds. The token comes from the URL fragment (#token=…, which never
+// reaches the server's logs) or the login field, and is kept in sessionStorage only.
+(() => {
+  const KEY = "elastify-token";
+  const params = new URLSearchParams(location.hash.slice(1));
+  const refreshMs = Math.max(1000, Number(params.get("refresh")) || 5000);
+  if (params.get("token")) {
+    sessionStorage.setItem(KEY, params.get("token"));
+    history.replaceState(null, "", location.pathname + location.search);  // drop the token from the address bar
+  }
+  const $ = (id) => document.getElementById(id);
+  let timer = null;
+
+  class Unauthorised extends Error {}
+
+  async function api(path) {
+    const response = await fetch(path, { headers: { Authorization: `Bearer ${sessionStorage.getItem(KEY)}`,
+      Accept: "application/json" } });
+    if (response.status === 401) throw new Unauthorised("the token was not accepted");
+    if (!response.ok) {
+      let problem = {};
+      try { problem = await response.json(); } catch (_) { /* not problem+json */ }
+      throw new Error(`${path}: ${response.status} ${problem.title || response.statusText}` +
+        (problem.detail ? ` (${problem.detail})` : ""));
+    }
+    return response.json();
+  }
+
+  const hours = (seconds) => seconds / 3600;
+
+  function daysByStageType(report) {
+    const days = [...new Set(report.rows.map((row) => row.day))].sort();
+    const types = [...new Set(report.rows.map((row) => row.stage_type))].sort();
+    const series = types.map((type) => ({
+      name: type,
+      values: days.map((day) => report.rows.filter((r) => r.day === day && r.stage_type === type)
+        .reduce((sum, r) => sum + r.gpu_hours, 0)),
+    }));
+    return { days, series };
+  }
+
+  function renderBuilds(page) {
+    const body = $("builds").tBodies[0];
+    body.replaceChildren(...page.items.map((build) => {
+      const row = document.createElement("tr");
+      row.dataset.build = build.id;
+      row.dataset.status = build.status;
+      const cell = (content, className) => {
+        const td = document.createElement("td");
+        if (className) td.className = className;
+        if (content instanceof Node) td.appendChild(content); else td.textContent = content;
+        row.appendChild(td);
+        return td;
+      };
+      cell(build.id);
+      cell(`${build.name} ${build.version}`);
+      cell(build.tenant);
+      const status = document.createElement("span");
+      status.className = `status ${build.status}`;
+      status.textContent = build.status;
+      cell(status);
+      const bar = document.createElement("div");
+      bar.className = `progress ${build.status}`;
+      bar.title = `${build.stages_done} of ${build.stages_total} stages`;
+      const fill = document.createElement("div");
+      fill.style.width = `${(100 * build.progress).toFixed(1)}%`;
+      fill.dataset.progress = build.progress;
+      bar.appendChild(fill);
+      const progress = document.createElement("span");
+      progress.append(bar, ` ${build.stages_done}/${build.stages_total}`);
+      cell(progress);
+      cell(Charts.format(hours(build.gpu_seconds)), "num");
+      cell(new Date(build.created_at + (build.created_at.endsWith("Z") ? "" : "Z")).toLocaleString(), "num");
+      return row;
+    }));
+  }
+
+  async function refresh() {
+    clearTimeout(timer);
+    try {
+      const [byDay, byTenant, byBuild, builds] = await Promise.all([
+        api("/v1/usage?group_by=day&group_by=stage_type"),
+        api("/v1/usage?group_by=tenant"),
+        api("/v1/usage?group_by=build"),
+        api("/v1/builds?limit=50"),
+      ]);
+      const { days, series } = daysByStageType(byDay);
+      Charts.stackedBars($("chart-days"), days, series, { unit: "GPU-h", label: "GPU-hours per day by stage type" });
+      Charts.horizontalBars($("chart-tenants"),
+        byTenant.rows.map((r) => ({ label: r.tenant, value: r.gpu_hours })).sort((a, b) => b.value - a.value),
+        { unit: "GPU-h", label: "GPU-hours per tenant", colourIndex: 2 });
+      const names = Object.fromEntries(builds.items.map((b) => [b.id, `${b.name} ${b.version}`]));
+      Charts.horizontalBars($("chart-builds"),
+        byBuild.rows.filter((r) => r.gpu_hours > 0).sort((a, b) => b.gpu_hours - a.gpu_hours).slice(0, 10)
+          .map((r) => ({ label: r.build, value: r.gpu_hours, title: names[r.build] ? `${r.build} (${names[r.build]})` : r.build })),
+        { unit: "GPU-h", label: "top builds by GPU-hours", colourIndex: 4, emptyText: "no GPU time recorded yet" });
+      renderBuilds(builds);
+      $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}, every ${refreshMs / 1000} s`;
+      $("error").hidden = true;
+      $("panels").hidden = false;
+      document.body.dataset.refreshes = Number(document.body.dataset.refreshes || 0) + 1;
+    } catch (error) {
+      if (error instanceof Unauthorised) return logout(error.message);
+      $("error").textContent = String(error.message || error);
+      $("error").hidden = false;
+    }
+    timer = setTimeout(refresh, refreshMs);
+  }
+
+  function logout(message) {
+    clearTimeout(timer);
+    sessionStorage.removeItem(KEY);
+    $("panels").hidden = true;
+    $("logout").hidden = true;
+    $("login").hidden = false;
+    $("error").textContent = message || "";
+    $("error").hidden = !message;
+  }
+
+  function start() {
+    $("login").hidden = true;
+    $("logout").hidden = false;
+    refresh();
+  }
+
+  $("login").addEventListener("submit", (event) => {
+    event.preventDefault();
+    sessionStorage.setItem(KEY, $("token").value.trim());
+    $("token").value = "";
+    start();
+  });
+  $("logout").addEventListener("click", () => logout());
+  if (sessionStorage.getItem(KEY)) start(); else logout();
+})();
