@@ -44,6 +44,12 @@ def _label_shards(spec, own: dict) -> list[Shard]:
     return [Shard(str(k), {"shard": k, "shards": count}) for k in range(count)]
 
 
+def _clone_shards(spec, own: dict) -> list[Shard]:
+    """clone-collect: each shard measures every `shards`-th of the same seeded vector list."""
+    count = int(own.get("shards", 2))
+    return [Shard(str(k), {"shard": k, "shards": count}) for k in range(count)]
+
+
 def builtin_registry() -> Registry:
     return Registry([
         StageRegistration(
@@ -98,11 +104,32 @@ def builtin_registry() -> Registry:
             inputs={"package": PACKAGE, "latency": "latency.latency"}, optional_inputs=frozenset({"latency"}),
             outputs=("report_card",), resources=MODEL_STAGE, settings_schema="pipeline.evaluate:ReportCardSettings",
         ),
+        # CLONE (issue 7), off by default: `stages.clone-collect.enabled: true` with `settings.budgets`, then
+        # clone-search; `stages.experts.enabled: true` for the LoRA-MoE experts. Widths need no recovery
+        # adapters, so all three read elastify's package and run beside recovery.
+        StageRegistration(
+            name="clone-collect", function="pipeline.clone_collect:run",
+            inputs={"package": "elastify.package", "latency": "latency.latency"}, optional_inputs=frozenset({"latency"}),
+            outputs=("records",), resources=SHARD, fan_out=_clone_shards, enabled_by_default=False,
+            settings_schema="pipeline.clone_collect:CollectSettings",
+        ),
+        StageRegistration(
+            name="clone-search", function="pipeline.clone_search:run",
+            inputs={"package": "elastify.package", "records": "clone-collect.records", "latency": "latency.latency"},
+            optional_inputs=frozenset({"latency"}), outputs=("profiles",), resources=MODEL_STAGE,
+            enabled_by_default=False, settings_schema="pipeline.clone_search:SearchSettings",
+        ),
+        StageRegistration(
+            name="experts", function="pipeline.experts:run", inputs={"package": "elastify.package"},
+            outputs=("experts",), resources=MODEL_STAGE, enabled_by_default=False,
+            settings_schema="pipeline.experts:ExpertSettings",
+        ),
         StageRegistration(
             name="publish", function="pipeline.publish:run",
             inputs={"package": PACKAGE, "report": "evaluate.report_card", "latency": "latency.latency",
-                    "tlm": ("tlm-decision.tlm", "tlm-score.tlm")},
-            optional_inputs=frozenset({"report", "latency", "tlm"}),
+                    "tlm": ("tlm-decision.tlm", "tlm-score.tlm"), "profiles": "clone-search.profiles",
+                    "experts": "experts.experts"},
+            optional_inputs=frozenset({"report", "latency", "tlm", "profiles", "experts"}),
             outputs=("package",), resources=Resources(num_cpus=1), runtime=("signing_key",),
             on_success=register_package, max_attempts=3,
         ),

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from device_sdk.package import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
+from pipeline.clone_search import install_profiles
 from pipeline.evaluate import apply_quality
+from pipeline.experts import install_experts
 from pipeline.latency import apply_latency
 from pipeline.stage import StageContext
 from pipeline.tlm import install_tlm
@@ -29,6 +31,8 @@ INSTALLERS: dict[str, Callable[[Path, Path], None]] = {
     "report": _json_installer(apply_quality),
     "latency": _json_installer(apply_latency),
     "tlm": install_tlm,
+    "profiles": install_profiles,
+    "experts": install_experts,
 }
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
-from device_sdk.package import PackageError, read_manifest, rewrite_manifest
+from device_sdk.package import PackageError, read_manifest, rewrite_manifest, verify_package
 from pipeline.clone_collect import (
     CloneError,
     CollectSettings,
@@ -21,9 +20,10 @@ from pipeline.clone_collect import (
     score,
     shard_of,
 )
-from pipeline.clone_search import SearchSettings, install_profiles, search
+from pipeline.clone_search import SearchSettings, search
+from pipeline.publish import publish_package
 from pipeline.stage import quiet_context
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
 
 BUDGET = {"name": "fast", "latency": 0.7, "energy": 0.7}
 
@@ -124,9 +124,9 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
         assert entry["ppl"] == min(fitting)
 
     copy = tmp_path / "pkg"
-    shutil.copytree(package, copy)
     (tmp_path / "profiles.json").write_text(json.dumps(found))
-    install_profiles(copy, tmp_path / "profiles.json")
+    publish_package(package, copy, signing_key(), {"profiles": tmp_path / "profiles.json"})  # its installer
+    verify_package(copy, public_bytes(signing_key()))
     sdk = ElasticModel.load(copy)
     reference = ElasticCausalLM.from_package(copy)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
