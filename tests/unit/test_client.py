@@ -10,7 +10,8 @@ import pytest
 from device_sdk.client import ElastifyAPIError, ElastifyClient
 from device_sdk.package import WEIGHTS, PackageError
 from device_sdk.registry import pull, read_local_state, verify_local
-from tests.unit.live_api import KEY_SEED, api_with_packages, spec_dict
+from tests.api_support import finish_build, spec
+from tests.unit.live_api import KEY_SEED, api_with_packages
 from tests.unit.sdk_packages import public_bytes, signing_key
 
 KEY = signing_key(KEY_SEED)
@@ -40,23 +41,23 @@ def cached_files(cache: Path) -> list[Path]:
 
 
 def test_client_submit_is_idempotent_and_conflicts_are_errors(acme):
-    first = acme.submit(spec_dict("idem"), idempotency_key="nightly-1")
-    again = acme.submit(spec_dict("idem"), idempotency_key="nightly-1")
-    assert again["id"] == first["id"] and first["status"] == "queued" and len(first["stages"]) == 2
+    first = acme.submit(spec("idem"), idempotency_key="nightly-1")
+    again = acme.submit(spec("idem"), idempotency_key="nightly-1")
+    assert again["id"] == first["id"] and first["status"] == "queued" and len(first["stages"]) == 3
     with pytest.raises(ElastifyAPIError) as conflict:
-        acme.submit(spec_dict("idem", version="9"), idempotency_key="nightly-1")
+        acme.submit(spec("idem", version="9"), idempotency_key="nightly-1")
     assert conflict.value.status == 409 and first["id"] in conflict.value.detail
     with pytest.raises(ElastifyAPIError) as invalid:
         acme.submit({"source": {"model": "x"}, "levels": [1.0]})  # no publish target
     assert invalid.value.status == 422 and invalid.value.problem["errors"]
-    assert acme.submit(json.dumps(spec_dict("fromtext")))["name"] == "fromtext"
+    assert acme.submit(json.dumps(spec("fromtext")))["name"] == "fromtext"
     with pytest.raises(ValueError, match="not JSON"):
         acme.submit("source: {model: unused}")
 
 
 def test_client_lists_every_build_across_cursor_pages(api):
     client = ElastifyClient(api.url, token=api.token("pager"))
-    ids = [client.submit(spec_dict(f"page{i}"))["id"] for i in range(5)]
+    ids = [client.submit(spec(f"page{i}"))["id"] for i in range(5)]
     first_page = client.builds(limit=2)
     assert len(first_page["items"]) == 2 and first_page["next_cursor"]
     seen = [b["id"] for b in client.iter_builds(limit=2)]
@@ -66,13 +67,13 @@ def test_client_lists_every_build_across_cursor_pages(api):
 
 
 def test_client_cancel_logs_and_retry(acme):
-    build = acme.submit(spec_dict("logs"))
+    build = acme.submit(spec("logs"))
     cancelled = acme.cancel(build["id"])
     assert cancelled["status"] == "cancelled"
     events = list(acme.logs(build["id"]))
     assert events[-1].event == "end" and events[-1].json() == {"status": "cancelled"}
     messages = [e.json()["message"] for e in events[:-1]]
-    assert messages[0] == "submitted with 2 stages" and "cancellation requested" in messages
+    assert messages[0] == "submitted with 3 stages" and "cancellation requested" in messages
     assert [int(e.id) for e in events[:-1]] == sorted(int(e.id) for e in events[:-1])
     resumed = list(acme.logs(build["id"], after=int(events[0].id)))  # Last-Event-ID: only what came after
     assert [e.id for e in resumed] == [e.id for e in events[1:]]
@@ -90,7 +91,7 @@ def test_client_errors_are_problems_and_never_show_the_token(api, acme):
     with pytest.raises(ElastifyAPIError) as bad:
         ElastifyClient(api.url, token="elst_not-a-token").builds()
     assert bad.value.status == 401 and bad.value.title
-    build = acme.submit(spec_dict("private"))
+    build = acme.submit(spec("private"))
     beta = ElastifyClient(api.url, token=api.beta)
     with pytest.raises(ElastifyAPIError) as hidden:
         beta.build(build["id"])
@@ -107,15 +108,13 @@ def test_client_errors_are_problems_and_never_show_the_token(api, acme):
 
 def test_client_usage_reports_the_ledger(api):
     client = ElastifyClient(api.url, token=api.token("metered"))
-    build = client.submit(spec_dict("metered"))
-    api.record_attempt(build["id"], "first", gpu_seconds=1800)
-    api.record_attempt(build["id"], "second", gpu_seconds=3600)
-    api.record_attempt(build["id"], "second", gpu_seconds=900)
+    build = client.submit(spec("metered"))
+    finish_build(api.api, build["id"], status="failed", gpu_seconds=1800)  # first ran, second failed, third never ran
     report = client.usage(group_by=["stage_type"])
-    assert {r["stage_type"]: r["gpu_hours"] for r in report["rows"]} == {"first": 0.5, "second": 1.25}
-    assert report["total_gpu_hours"] == 1.75
-    assert client.usage(group_by=["build"], stage_type="second")["rows"][0]["gpu_hours"] == 1.25
-    assert client.build(build["id"])["gpu_seconds"] == 6300
+    assert {r["stage_type"]: r["gpu_hours"] for r in report["rows"]} == {"first": 0.5, "second": 0.5}
+    assert report["total_gpu_hours"] == 1.0  # the failed attempt's time counts too
+    assert client.usage(group_by=["build"], stage_type="second")["rows"][0]["gpu_hours"] == 0.5
+    assert client.build(build["id"])["gpu_seconds"] == 3600
 
 
 def test_client_token_and_server_from_the_environment(api, monkeypatch):
@@ -125,7 +124,7 @@ def test_client_token_and_server_from_the_environment(api, monkeypatch):
     assert client.base_url == api.url
     assert [p["name"] for p in client.packages()] == ["tiny"]
     assert client.health() == {"status": "ok"}
-    assert client.signing_key() == api.settings.public_key_b64()
+    assert client.signing_key() == api.api.settings.public_key_b64()
 
 
 # --------------------------------------------------------------------------- packages
@@ -227,7 +226,7 @@ def test_pull_through_the_api_fetches_only_the_levels_asked_for(api, tmp_path):
 
 
 def test_pull_through_the_api_refuses_a_tampered_file_and_installs_nothing(api, packages, tmp_path):
-    stored = api.store.local_path(f"packages/tiny/2.0.0/{WEIGHTS}")
+    stored = api.api.store.local_path(f"packages/tiny/2.0.0/{WEIGHTS}")
     original = stored.read_bytes()
     damaged = bytearray(original)
     damaged[len(damaged) // 2] ^= 0xFF

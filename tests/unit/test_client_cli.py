@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from api.cli import app
 from cluster.models import Build, Event, Stage
 from device_sdk.registry import read_local_state, verify_local
+from tests.api_support import finish_build, spec
 from tests.unit.live_api import KEY_SEED, api_with_packages
 from tests.unit.sdk_packages import public_bytes, signing_key
 
@@ -56,11 +57,11 @@ def test_cli_submit_list_show_cancel_retry_logs(cli, tmp_path):
     listed = cli("builds", "list", "--name", "clipkg")
     assert listed.exit_code == 0 and build_id in listed.stdout and "queued" in listed.stdout
     shown = cli("builds", "show", build_id)
-    assert shown.exit_code == 0 and "first" in shown.stdout and "second" in shown.stdout and "0/2 stages" in shown.stdout
+    assert shown.exit_code == 0 and "first" in shown.stdout and "second" in shown.stdout and "0/3 stages" in shown.stdout
     cancelled = cli("builds", "cancel", build_id)
     assert cancelled.exit_code == 0 and "cancelled" in cancelled.output
     text = cli("logs", build_id)
-    assert text.exit_code == 0 and "submitted with 2 stages" in text.stdout and "cancellation requested" in text.stdout
+    assert text.exit_code == 0 and "submitted with 3 stages" in text.stdout and "cancellation requested" in text.stdout
     followed = cli("logs", build_id, "--follow")
     assert followed.exit_code == 0 and "build cancelled" in followed.output
     retried = cli("builds", "retry", build_id)
@@ -69,7 +70,8 @@ def test_cli_submit_list_show_cancel_retry_logs(cli, tmp_path):
 
 
 def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, tmp_path):
-    with api.sessions() as session:
+    sessions = api.api.sessions
+    with sessions() as session:
         before = set(session.scalars(select(Build.id)))
 
     def scheduler_stand_in():
@@ -78,7 +80,7 @@ def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, t
 
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            with api.sessions() as session:
+            with sessions() as session:
                 new = set(session.scalars(select(Build.id))) - before
             if new:
                 break
@@ -86,13 +88,13 @@ def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, t
         else:
             return
         build_id = new.pop()
-        with api.sessions.begin() as session:
+        with sessions.begin() as session:
             stage = session.scalar(select(Stage).where(Stage.build_id == build_id, Stage.key == "first"))
             for done in (1, 2, 3):
                 session.add(Event(build_id=build_id, stage_id=stage.id, kind="progress", message="windows",
                                   data={"done": done, "total": 3}))
         time.sleep(0.5)
-        cancel_build(api.sessions, build_id)
+        cancel_build(sessions, build_id)
 
     helper = threading.Thread(target=scheduler_stand_in, daemon=True)
     helper.start()
@@ -135,12 +137,14 @@ def test_cli_pull_without_a_pinned_key_uses_the_servers_and_refuses_another_sign
 def test_cli_usage_table(cli, api):
     from device_sdk.client import ElastifyClient
 
-    build = ElastifyClient(api.url, token=api.acme).submit({"source": {"model": "unused"}, "levels": [1.0],
-                                                            "publish": {"name": "metered", "version": "1"}})
-    api.record_attempt(build["id"], "second", gpu_seconds=5400)
+    build = ElastifyClient(api.url, token=api.acme).submit(spec("metered"))
+    finish_build(api.api, build["id"], gpu_seconds=5400)
     result = cli("usage", "--by", "stage_type", "--build", build["id"])
     assert result.exit_code == 0, result.output
-    assert "second" in result.stdout and "1.5000" in result.stdout
+    cells = [line.replace("│", " ").split() for line in result.stdout.splitlines()]
+    rows = {row[0]: row[1:] for row in cells if row and row[0] in ("first", "second", "third")}
+    assert set(rows) == {"first", "second", "third"} and all(r[1] == "1.5000" for r in rows.values()), result.stdout
+    assert "4.5000 GPU h" in result.stdout
     as_json = cli("usage", "--by", "build,stage_type", "--json")
     assert as_json.exit_code == 0 and '"group_by"' in as_json.stdout
 
