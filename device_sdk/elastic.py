@@ -32,12 +32,17 @@ Width = tuple  # (units, weight view, bias view), as made by ElasticLinear.prepa
 
 
 class LevelCursor:
-    """The level index a model's bound layers run at; -1 means each layer's own set_width."""
+    """The level index a model's bound layers run at; -1 means each layer's own set_width.
 
-    __slots__ = ("index",)
+    `version` counts changes to the bound layers' own widths, so that a plan made from them
+    (the native decoder's) can tell when it is stale without reading every layer.
+    """
+
+    __slots__ = ("index", "version")
 
     def __init__(self) -> None:
         self.index = -1
+        self.version = 0
 
 
 class ElasticLinear(nn.Module):
@@ -123,11 +128,14 @@ class ElasticLinear(nn.Module):
         # Written to __dict__ directly: nn.Module.__setattr__'s registry checks would double
         # the cost of a whole-model switch (~200 of these calls).
         self.__dict__["own_width"] = prepared
+        if self.cursor is not None:
+            self.cursor.version += 1
 
     def bind_levels(self, cursor: LevelCursor, units_per_level: list[int]) -> None:
         """Follow `cursor`: at index i this layer runs `units_per_level[i]` units."""
         self.level_widths = [self.prepare_width(units) for units in units_per_level]
         self.cursor = cursor
+        cursor.version += 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:

@@ -1,8 +1,13 @@
-"""ElasticLinear kernels: the native C++/OpenMP one and its torch reference.
+"""ElasticLinear kernels: the native C++/OpenMP one and its torch reference; the native decoder.
 
-The native kernel is one translation unit (csrc/elastic_linear.cpp), JIT-compiled on first
-use (~45 s) into ~/.cache/elastify/kernels and loaded from there afterwards. Where it cannot
-be built (no compiler, ELASTIFY_NATIVE=0) the torch reference runs instead, with a warning.
+The native code is one translation unit (csrc/elastic_linear.cpp and the headers beside it),
+JIT-compiled on first use (~45 s) into ~/.cache/elastify/kernels and loaded from there
+afterwards. Where it cannot be built (no compiler, ELASTIFY_NATIVE=0) the torch reference
+runs instead, with a warning.
+
+`NativeDecoder` runs a whole decode step (one token, batch 1) of a llama.Transformer in one
+C++ call (csrc/decoder.h) over the same storage; the Python forward stays the reference and
+does prefill.
 
 Weight formats: "fp32", "fp16" (storage only; compute is fp32) and "int8" (weight-only,
 symmetric, one scale per output channel — per row of W, per column of the transposed Wt —
@@ -12,7 +17,10 @@ so every prefix width shares the same scales and switching stays copy-free).
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import math
+import operator
 import os
 import platform
 import threading
@@ -25,6 +33,8 @@ from device_sdk.elastic import ElasticLinear, UnitAxis
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8")
 SOURCE = Path(__file__).parent / "csrc" / "elastic_linear.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # decoder.h's slots
 
 _build_lock = threading.Lock()
 _native_module = None
@@ -35,8 +45,9 @@ def cache_home() -> Path:
     return Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
 
 
-def _cpu_signature() -> str:
-    """Built with -march=native, so a cached build is only valid on the same kind of CPU."""
+def _build_signature() -> str:
+    """Built with -march=native, so a cached build is only valid on the same kind of CPU (and
+    for the same sources: torch's own check does not see the headers)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -45,7 +56,10 @@ def _cpu_signature() -> str:
                 break
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__} {CFLAGS}".encode())
+    for source in sorted(SOURCE.parent.iterdir()):
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def native_module():
@@ -59,15 +73,24 @@ def native_module():
             warnings.warn("ELASTIFY_NATIVE=0: ElasticLinear runs on the torch fallback", stacklevel=2)
             return None
         try:
+            name = f"elastify_elastic_linear_{_build_signature()}"
+            build_dir = cache_home() / "kernels" / name
+            built = build_dir / f"{name}.so"
+            if built.is_file() and not (build_dir / "lock").exists():
+                # The name already pins sources, flags, CPU and torch: import the build directly
+                # (torch's load() would re-run ninja, seconds per process on a busy machine).
+                loader = importlib.machinery.ExtensionFileLoader(name, str(built))
+                spec = importlib.util.spec_from_file_location(name, str(built), loader=loader)
+                _native_module = importlib.util.module_from_spec(spec)
+                loader.exec_module(_native_module)
+                return _native_module
             from torch.utils.cpp_extension import load
 
-            name = f"elastify_elastic_linear_{_cpu_signature()}"
-            build_dir = cache_home() / "kernels" / name
             build_dir.mkdir(parents=True, exist_ok=True)
             _native_module = load(
                 name=name,
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir),
                 verbose=False,
@@ -149,3 +172,73 @@ def make_linear(
     if use_native or weight_format != "fp32":
         layer.use_kernel(native_linear if use_native else reference_linear, scales)
     return layer
+
+
+# --------------------------------------------------------------------------- the native decoder
+
+
+def _spec(linear: ElasticLinear) -> tuple:
+    return linear.storage, linear.scales, linear.bias
+
+
+class NativeDecoder:
+    """One C++ call per decoded token for a llama.Transformer whose projections all run native.
+
+    Widths and LoRA are pushed to the C++ side only when they changed: widths by the model's
+    LevelCursor version, LoRA by the identity of each projection's adapter (a level switch
+    or an expert mix assigns new ones), so a token costs no per-layer Python calls.
+    """
+
+    def __init__(self, transformer):
+        arch = transformer.arch
+        self.transformer = transformer
+        self.native = native_module().Decoder(
+            arch.head_dim, arch.n_rep, arch.norm_eps, arch.sliding_window or 0, transformer.inv_freq,
+            transformer.embed_tokens, transformer.norm.weight, _spec(transformer.lm_head),
+        )
+        self.projections = [[block.projection(name) for name in PROJECTIONS] for block in transformer.layers]
+        for block, projections in zip(transformer.layers, self.projections, strict=True):
+            self.native.add_layer(block.input_layernorm.weight, block.post_attention_layernorm.weight,
+                                  [_spec(projection.linear) for projection in projections])
+        self._attributes = [projection.__dict__ for layer in self.projections for projection in layer]
+        self._widths: tuple[int, int] | None = None  # (cursor index, version) last pushed
+        self._loras = [None] * len(self._attributes)  # each projection's adapter last pushed
+
+    @classmethod
+    def build(cls, transformer) -> NativeDecoder | None:
+        """The decoder, or None where some projection does not run the native kernel."""
+        linears = [m for m in transformer.modules() if isinstance(m, ElasticLinear)]
+        if native_module() is None or any(linear.kernel is not native_linear for linear in linears):
+            return None
+        return cls(transformer)
+
+    def sync(self) -> None:
+        """Push the current widths and LoRA where they changed since the last step."""
+        cursor = self.transformer.cursor
+        if self._widths != (cursor.index, cursor.version):
+            groups, neurons = [], []
+            for index, projections in enumerate(self.projections):
+                units = [projection.linear.units for projection in projections]
+                if len(set(units[:4])) > 1 or len(set(units[4:])) > 1:
+                    raise ValueError(f"layer {index}: q/k/v/o (or gate/up/down) widths differ: {units}")
+                groups.append(units[0])
+                neurons.append(units[4])
+            self.native.set_widths(groups, neurons)
+            self._widths = (cursor.index, cursor.version)
+        loras = [attributes["lora"] for attributes in self._attributes]
+        if any(map(operator.is_not, loras, self._loras)):
+            for index, (adapter, previous) in enumerate(zip(loras, self._loras, strict=True)):
+                if adapter is not previous:
+                    layer, slot = divmod(index, len(PROJECTIONS))
+                    self.native.set_lora(layer, slot, *(adapter if adapter is not None else (None, None, 0.0)))
+            self._loras = loras
+
+    def step(self, token: int, cache) -> torch.Tensor:
+        """Logits [vocab] of `token` at position cache.length; its keys and values join the cache."""
+        if cache.length >= cache.max_len:
+            raise ValueError(f"sequence of {cache.length + 1} tokens exceeds the cache ({cache.max_len})")
+        self.sync()
+        keys, values = cache.buffers(batch=1)
+        logits = self.native.step(token, cache.length, keys, values)
+        cache.length += 1
+        return logits

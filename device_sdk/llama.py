@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device_sdk.elastic import ElasticLinear
+from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.package import Architecture
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
@@ -76,25 +76,35 @@ def apply_rope(x, cos, sin):
 
 
 class KVCache:
-    """Keys and values of every layer for one batch of sequences, preallocated to `max_len`."""
+    """Keys and values of every layer for one batch of sequences, preallocated to `max_len`:
+    one [layers, batch, kv_heads, max_len, head_dim] tensor each, shared with the native decoder."""
 
-    def __init__(self, layers: int, max_len: int):
+    def __init__(self, layers: int, max_len: int, kv_heads: int, head_dim: int):
+        self.shape = (layers, kv_heads, max_len, head_dim)
         self.max_len = max_len
         self.length = 0  # tokens already cached (the same for every layer)
-        self.keys: list[torch.Tensor | None] = [None] * layers
-        self.values: list[torch.Tensor | None] = [None] * layers
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def buffers(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys is None:
+            layers, heads, max_len, head_dim = self.shape
+            self.keys = torch.zeros(layers, batch, heads, max_len, head_dim)
+            self.values = torch.zeros_like(self.keys)
+        if self.keys.shape[1] != batch:
+            raise ValueError(f"the cache holds a batch of {self.keys.shape[1]}, not {batch}")
+        return self.keys, self.values
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this step's k, v [B, groups, T, hd]; return everything cached so far."""
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache ({self.max_len})")
-        if self.keys[layer] is None:
-            shape = (k.shape[0], k.shape[1], self.max_len, k.shape[3])
-            self.keys[layer], self.values[layer] = k.new_empty(shape), v.new_empty(shape)
-        self.keys[layer][:, :, self.length : end] = k
-        self.values[layer][:, :, self.length : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+        keys, values = self.buffers(k.shape[0])
+        groups = k.shape[1]
+        keys[layer, :, :groups, self.length : end] = k
+        values[layer, :, :groups, self.length : end] = v
+        return keys[layer, :, :groups, :end], values[layer, :, :groups, :end]
 
 
 # --------------------------------------------------------------------------- the model
@@ -173,6 +183,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights[f"{prefix}.post_attention_layernorm.weight"], arch.norm_eps)
         self.mlp = MLP(weights, f"{prefix}.mlp", make)
 
+    def projection(self, name: str) -> Projection:
+        """`q_proj` … `down_proj` of this block."""
+        return getattr(self.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else self.mlp, name)
+
     def forward(self, x, cos, sin, mask, cache: KVCache):
         if self.self_attn.groups:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, self.index)
@@ -191,14 +205,23 @@ class Transformer(nn.Module):
         head = weights["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = make(head, None, unit_axis="out", unit_size=head.shape[0])
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
+        # Every projection follows one cursor, whose version tells the native decoder when a
+        # width changed.
+        self.cursor = LevelCursor()
+        for block in self.layers:
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                block.projection(name).linear.bind_levels(self.cursor, [])
+        self.decoder = None  # a kernels.NativeDecoder runs single-token steps when set
 
     def new_cache(self, max_len: int) -> KVCache:
-        return KVCache(self.arch.layers, max_len)
+        return KVCache(self.arch.layers, max_len, self.arch.kv_heads, self.arch.head_dim)
 
     def forward(self, ids: torch.Tensor, cache: KVCache | None = None, last_only: bool = False) -> torch.Tensor:
         """Logits for `ids` [B, T] after whatever `cache` already holds (a fresh one if None)."""
         B, T = ids.shape
         cache = cache if cache is not None else self.new_cache(T)
+        if self.decoder is not None and B == 1 and T == 1:
+            return self.decoder.step(int(ids[0, 0]), cache).view(1, 1, -1)
         start = cache.length
         positions = torch.arange(start, start + T)
         cos, sin = rope_tables(self.inv_freq, positions)

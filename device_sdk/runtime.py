@@ -24,7 +24,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from device_sdk.experts import ExpertSet
-from device_sdk.kernels import make_linear
+from device_sdk.kernels import NativeDecoder, make_linear
 from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
 from device_sdk.llama import Projection, Transformer
 from device_sdk.package import (
@@ -91,6 +91,7 @@ class ElasticModel:
         self.held_level = held_level  # a partial pull holds levels up to this one only
         make = partial(make_linear, weight_format=weight_format, native=native)
         self.transformer = Transformer(manifest.architecture, weights, make)
+        self.transformer.decoder = NativeDecoder.build(self.transformer)  # None: decode on the torch path
         # Per layer: (LoRA key, projection, sized by KV groups?), built once so a switch only loops.
         self._switch_plan = [
             [(name, proj, ".self_attn." in name) for name, proj in self._projections(block, index)]

@@ -9,6 +9,8 @@
 // column of Wt), so a prefix of any width dequantizes with the same scales. Threads split
 // the output channels (OpenMP); M == 1 (decode) runs a GEMV, M > 1 (prefill) a GEMM that
 // dequantizes each weight tile once and reuses it for every input row.
+//
+// The module also exports the whole-model decode step (decoder.h) as `Decoder`.
 
 #include <torch/extension.h>
 #include <omp.h>
@@ -20,6 +22,8 @@
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
+
+#include "decoder.h"
 
 namespace {
 
@@ -244,6 +248,34 @@ torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::option
   return y;
 }
 
+// (storage, scales, bias) of one ElasticLinear, as the decoder keeps it.
+using ProjectionSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+
+elastic::Projection make_projection(const ProjectionSpec& spec) {
+  elastic::Projection p;
+  p.storage = std::get<0>(spec);
+  TORCH_CHECK(p.storage.dim() == 2 && p.storage.is_contiguous() && p.storage.device().is_cpu(),
+              "storage must be contiguous 2-D CPU");
+  if (std::get<1>(spec).has_value()) p.scales = std::get<1>(spec)->to(torch::kFloat).contiguous();
+  if (std::get<2>(spec).has_value()) p.bias = std::get<2>(spec)->to(torch::kFloat).contiguous();
+  TORCH_CHECK(p.storage.scalar_type() != torch::kChar || p.scales.defined(), "int8 storage needs scales");
+  return p;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("elastic_linear", &elastic_linear, "ElasticLinear over a unit-major prefix (fp32/fp16/int8)");
+  pybind11::class_<elastic::Decoder>(m, "Decoder")
+      .def(pybind11::init([](int64_t head_dim, int64_t n_rep, double eps, int64_t window, torch::Tensor inv_freq,
+                             torch::Tensor embed, torch::Tensor final_norm, const ProjectionSpec& lm_head) {
+        return new elastic::Decoder(head_dim, n_rep, eps, window, inv_freq, embed, final_norm, make_projection(lm_head));
+      }))
+      .def("add_layer", [](elastic::Decoder& d, torch::Tensor attn_norm, torch::Tensor mlp_norm,
+                           const std::vector<ProjectionSpec>& projections) {
+        std::vector<elastic::Projection> made;
+        for (const auto& spec : projections) made.push_back(make_projection(spec));
+        d.add_layer(attn_norm, mlp_norm, made);
+      })
+      .def("set_widths", &elastic::Decoder::set_widths)
+      .def("set_lora", &elastic::Decoder::set_lora)
+      .def("step", &elastic::Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

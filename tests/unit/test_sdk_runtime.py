@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_sdk import kernels
 from device_sdk.elastic import ElasticLinear
 from device_sdk.package import PackageError, read_manifest
 from device_sdk.runtime import ElasticModel
@@ -156,3 +157,116 @@ def test_sdk_fp16_storage_runs_in_fp32(tmp_path):
         logits = model.logits(ids)
         assert logits.dtype == torch.float32
         assert (logits - expected).abs().max().item() <= 0.05  # fp16 rounding of the weights only
+
+
+# --------------------------------------------------------------------------- the native decode step
+
+needs_native = pytest.mark.skipif(kernels.native_module() is None, reason="no C++ compiler on this machine")
+DECODE_KINDS = {"llama_mha": {}, "llama_gqa": {}, "qwen2_bias": {}, "mistral_window": {"sliding_window": 5}}
+
+
+@pytest.fixture(scope="module", params=sorted(DECODE_KINDS))
+def lora_package(request, tmp_path_factory):
+    """Each tiny family with a LoRA per level (Mistral with a window shorter than the test sequence)."""
+    kind = request.param
+    base = "mistral" if kind == "mistral_window" else kind
+    _, package = tiny_package(base, tmp_path_factory.mktemp(kind) / "pkg", KEY, **DECODE_KINDS[kind])
+    add_recovery_adapters(package, KEY)
+    return package
+
+
+def decode_both_ways(model, ids, prefill: int):
+    """Logits of ids[:, prefill:] decoded one token at a time (native step when the model has
+    one), and the same positions from the reference forward over the whole sequence."""
+    transformer, decoder = model.transformer, model.transformer.decoder
+    with torch.inference_mode():
+        cache = transformer.new_cache(ids.shape[1])
+        transformer(ids[:, :prefill], cache)
+        steps = torch.cat([transformer(ids[:, i : i + 1], cache) for i in range(prefill, ids.shape[1])], dim=1)
+        transformer.decoder = None
+        try:
+            reference = transformer(ids)[:, prefill:]
+        finally:
+            transformer.decoder = decoder
+    return steps, reference
+
+
+@needs_native
+@pytest.mark.parametrize("weight_format", ["fp32", "fp16", "int8"])
+def test_sdk_native_decode_matches_reference(lora_package, weight_format):
+    model = ElasticModel.load(lora_package, quantize=weight_format)
+    assert model.transformer.decoder is not None
+    if "mistral" in str(lora_package):
+        assert model.manifest.architecture.sliding_window == 5
+    ids = token_ids(256, length=14, batch=1)
+    for level in model.available_levels():
+        model.set_level(level)
+        steps, reference = decode_both_ways(model, ids, prefill=6)
+        assert (steps - reference).abs().max().item() <= 1e-4, level
+    # The LoRA really takes part: without it the reference moves.
+    projections = [block.projection(name) for block in model.transformer.layers for name in kernels.PROJECTIONS]
+    assert all(p.lora is not None for p in projections)
+    for p in projections:
+        p.lora = None
+    assert (decode_both_ways(model, ids, prefill=6)[1] - reference).abs().max().item() > 1e-3
+    # Per-layer widths with whole sub-layers off (CLONE profiles), then back to a level.
+    full_attn, full_mlp = model.manifest.elastic.attn_units, model.manifest.elastic.mlp_units
+    model.set_widths([full_attn[0], 0, 1, full_attn[3]], [0, full_mlp[1], full_mlp[2] // 2, full_mlp[3]])
+    steps, reference = decode_both_ways(model, ids, prefill=6)
+    assert (steps - reference).abs().max().item() <= 1e-4
+    model.set_level("0.5")
+    steps, reference = decode_both_ways(model, ids, prefill=6)
+    assert (steps - reference).abs().max().item() <= 1e-4
+
+
+@needs_native
+def test_sdk_native_decoder_reads_the_model_storage_in_place(tmp_path):
+    _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
+    model = ElasticModel.load(package)
+    ids = token_ids(256, length=10, batch=1)
+    before, _ = decode_both_ways(model, ids, prefill=4)
+    up = model.transformer.layers[1].mlp.up_proj.linear
+    pointer = up.storage.data_ptr()
+    with torch.no_grad():
+        up.storage.mul_(-2.0)  # in the copy-on-write map: the decoder must see it without a reload
+    steps, reference = decode_both_ways(model, ids, prefill=4)
+    assert up.storage.data_ptr() == pointer
+    assert (steps - reference).abs().max().item() <= 1e-4
+    assert (steps - before).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_sdk_decode_errors_are_clear(native, tmp_path):
+    _, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
+    model = ElasticModel.load(package, native=native)
+    assert (model.transformer.decoder is not None) == (native and kernels.native_module() is not None)
+    transformer, ids = model.transformer, token_ids(256, length=4, batch=1)
+    with torch.inference_mode():
+        cache = transformer.new_cache(3)
+        transformer(ids[:, :3], cache)
+        with pytest.raises(ValueError, match="exceeds the cache"):
+            transformer(ids[:, 3:4], cache)
+        q_proj = transformer.layers[0].self_attn.q_proj
+        q_proj.lora = (torch.zeros(2, 5), torch.zeros(q_proj.linear.out_features, 2), 1.0)  # A has the wrong width
+        with pytest.raises(RuntimeError, match="LoRA|shape|size"):
+            transformer(ids[:, :1], transformer.new_cache(2))
+
+
+@needs_native
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_format", ["fp32", "int8"])
+def test_sdk_native_decode_matches_reference_smollm2(weight_format, smollm2_package):
+    model = ElasticModel.load(smollm2_package, quantize=weight_format)
+    arch = model.manifest.architecture
+    ids = token_ids(arch.vocab, length=24, batch=1)
+    generator = torch.Generator().manual_seed(1)
+    for level in model.available_levels():
+        model.set_level(level)
+        # A LoRA assigned straight to some projections, as an expert mix does.
+        for name in ("q_proj", "o_proj", "up_proj", "down_proj"):
+            linear = model.transformer.layers[3].projection(name).linear
+            a = torch.randn(4, linear.in_features, generator=generator) * 0.05
+            b = torch.randn(linear.out_features, 4, generator=generator) * 0.05
+            model.transformer.layers[3].projection(name).lora = (a, b, 2.0)
+        steps, reference = decode_both_ways(model, ids, prefill=16)
+        assert (steps - reference).abs().max().item() <= 5e-4, level
