@@ -4,14 +4,18 @@
 // reaches the server's logs) or the login field, and is kept in sessionStorage only.
 (() => {
   const KEY = "elastify-token";
-  const params = new URLSearchParams(location.hash.slice(1));
-  const refreshMs = Math.max(1000, Number(params.get("refresh")) || 5000);
-  if (params.get("token")) {
-    sessionStorage.setItem(KEY, params.get("token"));
-    history.replaceState(null, "", location.pathname + location.search);  // drop the token from the address bar
-  }
   const $ = (id) => document.getElementById(id);
+  let refreshMs = 5000;
   let timer = null;
+  let generation = 0;  // bumped on every start/logout: answers for an older token are dropped
+
+  // Settings from the fragment: #token=…&refresh=ms. The token moves to sessionStorage and out of the address bar.
+  function readFragment() {
+    const params = new URLSearchParams(location.hash.slice(1));
+    if (params.get("refresh")) refreshMs = Math.max(1000, Number(params.get("refresh")) || 5000);
+    if (params.get("token")) sessionStorage.setItem(KEY, params.get("token"));
+    if (location.hash) history.replaceState(null, "", location.pathname + location.search);
+  }
 
   class Unauthorised extends Error {}
 
@@ -77,7 +81,7 @@
     }));
   }
 
-  async function refresh() {
+  async function refresh(run) {
     clearTimeout(timer);
     try {
       const [byDay, byTenant, byBuild, builds] = await Promise.all([
@@ -86,6 +90,7 @@
         api("/v1/usage?group_by=build"),
         api("/v1/builds?limit=50"),
       ]);
+      if (run !== generation) return;
       const { days, series } = daysByStageType(byDay);
       Charts.stackedBars($("chart-days"), days, series, { unit: "GPU-h", label: "GPU-hours per day by stage type" });
       Charts.horizontalBars($("chart-tenants"),
@@ -102,14 +107,16 @@
       $("panels").hidden = false;
       document.body.dataset.refreshes = Number(document.body.dataset.refreshes || 0) + 1;
     } catch (error) {
+      if (run !== generation) return;
       if (error instanceof Unauthorised) return logout(error.message);
       $("error").textContent = String(error.message || error);
       $("error").hidden = false;
     }
-    timer = setTimeout(refresh, refreshMs);
+    timer = setTimeout(() => refresh(run), refreshMs);
   }
 
   function logout(message) {
+    generation += 1;
     clearTimeout(timer);
     sessionStorage.removeItem(KEY);
     $("panels").hidden = true;
@@ -122,7 +129,8 @@
   function start() {
     $("login").hidden = true;
     $("logout").hidden = false;
-    refresh();
+    generation += 1;
+    refresh(generation);
   }
 
   $("login").addEventListener("submit", (event) => {
@@ -132,5 +140,10 @@
     start();
   });
   $("logout").addEventListener("click", () => logout());
-  if (sessionStorage.getItem(KEY)) start(); else logout();
+  function begin() {
+    readFragment();
+    if (sessionStorage.getItem(KEY)) start(); else logout();
+  }
+  window.addEventListener("hashchange", begin);  // a new #token=… on the open page switches to it
+  begin();
 })();
