@@ -78,10 +78,12 @@ def signed_versions(root: Path) -> dict[str, Path]:
 
 
 @contextlib.contextmanager
-def api_with_packages(root: Path) -> Iterator[LiveAPI]:
-    """The app on a free loopback port, where tenant acme published tiny 1.0.0 (`latest`) and 2.0.0."""
+def api_with_packages(root: Path, **make_api_args) -> Iterator[LiveAPI]:
+    """The app on a free loopback port, where tenant acme published tiny 1.0.0 (`latest`) and 2.0.0.
+
+    `make_api_args` go to tests.api_support.make_api (e.g. `database_url`, `store` for S3)."""
     packages = signed_versions(root / "built")
-    api = make_api(root)
+    api = make_api(root, **make_api_args)
     with ServerThread(api.app, port=free_port()) as server:
         live = LiveAPI(api, server.url, packages)
         live.publish(packages["1.0.0"], "acme", aliases=("latest",))
