@@ -1,0 +1,60 @@
+"""`elastify up` serves the REST API next to the scheduler: ready on database, store and Ray; a
+token from `elastify tokens create` submits a build that the scheduler in the same process runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+
+from cluster.stages import ELASTILM_STAGES
+from tests.integration import services
+from tests.tiny import save_tiny
+
+pytestmark = pytest.mark.integration
+
+
+def test_elastify_up_serves_the_api_and_runs_what_it_accepts(tmp_path, cluster_env, calib_text):
+    model = save_tiny("llama_gqa", tmp_path / "tiny")
+    env = {**cluster_env, "ELASTIFY_HOME": str(tmp_path / "home")}
+    elastify = str(services.VENV_BIN / "elastify")
+    port = services.free_port()
+    log = tmp_path / "up.log"
+    process = subprocess.Popen([elastify, "up", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                               stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        services.wait_for_port(port, 120, process, log)
+        created = subprocess.run([elastify, "tokens", "create", "--tenant", "acme"], env=env, capture_output=True,
+                                 text=True, check=True)
+        token = created.stdout.strip()
+        assert token.startswith("elst_") and token not in created.stderr
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            ready = client.get("/readyz").json()
+            assert ready["status"] == "ready" and all(c["ok"] for c in ready["checks"].values()), ready
+            spec = {
+                "source": {"model": str(model)}, "calibration": [str(calib_text)], "levels": [1.0],
+                "stages": {"profile": {"settings": {"windows": 1, "window_length": 16, "layer_method": "block_influence"}},
+                           "elastify": {"settings": {"align": 8}}, "evaluate": {"enabled": False}},
+                "publish": {"name": "tiny-up", "version": "1"},
+            }
+            spec["stages"].update({name: {"enabled": False} for name in ELASTILM_STAGES})
+            submitted = client.post("/v1/builds", json=spec, headers=auth)
+            assert submitted.status_code == 201, submitted.text
+            build_id = submitted.json()["id"]
+            deadline = time.monotonic() + 240
+            while (status := client.get(f"/v1/builds/{build_id}", headers=auth).json()["status"]) not in (
+                    "succeeded", "failed", "cancelled"):
+                assert time.monotonic() < deadline, "the build did not finish"
+                time.sleep(0.5)
+            assert status == "succeeded", client.get(f"/v1/builds/{build_id}/logs", headers=auth).text
+            assert [p["name"] for p in client.get("/v1/packages", headers=auth).json()["items"]] == ["tiny-up"]
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(60) == 0, log.read_text()[-2000:]
+        assert token not in log.read_text()  # tokens are never logged
+    finally:
+        services.stop_group(process)
