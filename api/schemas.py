@@ -113,6 +113,12 @@ class BuildSummaryOut(Schema):
     gpu_seconds: float
     cpu_seconds: float
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "id": "5f0c2a9e1b7d4c3a", "tenant": "acme", "status": "running", "name": "smollm2-elastic", "version": "0.1.0",
+        "error": None, "created_at": "2026-11-29T10:00:00Z", "started_at": "2026-11-29T10:00:01Z", "finished_at": None,
+        "stages_total": 4, "stages_done": 1, "progress": 0.25, "cache_hits": 0, "gpu_seconds": 0.0, "cpu_seconds": 112.5,
+    }]})
+
 
 class BuildOut(BuildSummaryOut):
     spec: dict[str, Any]
@@ -120,6 +126,26 @@ class BuildOut(BuildSummaryOut):
     cancel_requested: bool
     stages: list[StageOut]
     package: PackageRef | None = None
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "id": "5f0c2a9e1b7d4c3a", "tenant": "acme", "status": "running", "name": "smollm2-elastic", "version": "0.1.0",
+        "error": None, "created_at": "2026-11-29T10:00:00Z", "started_at": "2026-11-29T10:00:01Z", "finished_at": None,
+        "stages_total": 2, "stages_done": 1, "progress": 0.5, "cache_hits": 1, "gpu_seconds": 0.0, "cpu_seconds": 0.0,
+        "spec": {"source": {"model": "/models/smollm2"}, "levels": [0.5, 1.0],
+                 "publish": {"name": "smollm2-elastic", "version": "0.1.0"}},
+        "idempotency_key": "nightly-2026-11-29", "cancel_requested": False, "package": None,
+        "stages": [
+            {"key": "profile", "type": "profile", "shard": None, "status": "succeeded", "cache_hit": True, "error": None,
+             "started_at": "2026-11-29T10:00:01Z", "finished_at": "2026-11-29T10:00:01Z", "seconds": 0.1,
+             "gpu_seconds": 0.0, "cpu_seconds": 0.0, "progress": None, "attempts": []},
+            {"key": "elastify", "type": "elastify", "shard": None, "status": "running", "cache_hit": False,
+             "error": None, "started_at": "2026-11-29T10:00:02Z", "finished_at": None, "seconds": None,
+             "gpu_seconds": 0.0, "cpu_seconds": 0.0, "progress": {"done": 12, "total": 30, "message": "layers"},
+             "attempts": [{"number": 1, "status": "running", "exit": None, "error": None, "worker": "host:123:ab12cd",
+                           "started_at": "2026-11-29T10:00:02Z", "ended_at": None, "wall_seconds": 0.0,
+                           "cpu_seconds": 0.0, "gpu_seconds": 0.0}]},
+        ],
+    }]})
 
 
 class BuildPage(Schema):
@@ -137,6 +163,11 @@ class LogEvent(Schema):
     message: str
     data: dict[str, Any] | None = None
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "id": 42, "time": "2026-11-29T10:00:05Z", "kind": "progress", "level": "info", "stage": "profile",
+        "attempt": 1, "message": "calibration windows", "data": {"done": 3, "total": 16},
+    }]})
+
 
 # --------------------------------------------------------------------------- packages
 
@@ -150,6 +181,11 @@ class PackageVersionOut(Schema):
     created_at: datetime
     aliases: list[str]
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "name": "smollm2-elastic", "version": "0.1.0", "build_id": "5f0c2a9e1b7d4c3a", "tenant": "acme",
+        "manifest_sha256": "9b1f" + "0" * 60, "created_at": "2026-11-29T10:02:00Z", "aliases": ["latest"],
+    }]})
+
 
 class PackageOut(Schema):
     name: str
@@ -158,6 +194,11 @@ class PackageOut(Schema):
     latest_version: str = Field(description="the most recently published version")
     aliases: dict[str, str] = Field(description="alias → version")
     updated_at: datetime
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "name": "smollm2-elastic", "tenant": "acme", "versions": 2, "latest_version": "0.1.1",
+        "aliases": {"latest": "0.1.1", "stable": "0.1.0"}, "updated_at": "2026-11-29T10:02:00Z",
+    }]})
 
 
 class PackageList(Schema):
@@ -171,6 +212,8 @@ class PackageVersionList(Schema):
 class AliasIn(Schema):
     version: str = Field(description="an existing version of the package")
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"version": "0.1.0"}]})
+
 
 class AliasOut(Schema):
     name: str
@@ -178,10 +221,19 @@ class AliasOut(Schema):
     version: str
     updated_at: datetime
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "name": "smollm2-elastic", "alias": "stable", "version": "0.1.0", "updated_at": "2026-11-29T11:00:00Z",
+    }]})
+
 
 class PresignedUrl(Schema):
     url: str
     expires_in: int = Field(description="seconds")
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "url": "https://s3.example.com/bucket/packages/smollm2-elastic/0.1.0/model/config.json?X-Amz-Signature=…",
+        "expires_in": 900,
+    }]})
 
 
 # --------------------------------------------------------------------------- usage, keys, health
@@ -206,10 +258,18 @@ class UsageReport(Schema):
     total_gpu_hours: float
     total_cpu_hours: float
 
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "group_by": ["day", "stage_type"], "total_gpu_hours": 1.5, "total_cpu_hours": 0.25,
+        "rows": [{"day": "2026-11-29", "stage_type": "recover", "attempts": 9, "wall_seconds": 5400.0,
+                  "cpu_seconds": 900.0, "gpu_seconds": 5400.0, "cpu_hours": 0.25, "gpu_hours": 1.5}],
+    }]})
+
 
 class SigningKey(Schema):
     algorithm: Literal["ed25519"] = "ed25519"
     public_key: str = Field(description="the raw 32-byte public key, base64; devices pin it to verify packages")
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"algorithm": "ed25519", "public_key": "WvpTi+LjjCNCr/+dZ53ItQ0ZLWWsGHsuotEJKDS4CQE="}]})
 
 
 class Health(Schema):
@@ -224,3 +284,9 @@ class CheckResult(Schema):
 class Readiness(Schema):
     status: Literal["ready", "not ready"]
     checks: dict[str, CheckResult]
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{
+        "status": "ready", "checks": {"database": {"ok": True, "detail": "reachable"},
+                                      "store": {"ok": True, "detail": "reachable"},
+                                      "ray": {"ok": True, "detail": "1 live nodes"}},
+    }]})
