@@ -1,12 +1,14 @@
 """Device SDK benchmark on SmolLM2-135M: one table.
 
-    .venv/bin/python bench/bench_device.py [--package DIR] [--llama-python /path/to/venv/bin/python]
+    .venv/bin/python bench/bench_device.py [--package DIR] [--threads N] [--llama-python /path/to/venv/bin/python]
 
-Rows: decode tokens/s of the SDK (fp32, int8) against HF transformers `generate` (fp32) and
-llama.cpp (llama-cpp-python, run from a separate interpreter since it is not a service
-dependency; skipped when absent); TPOT(m)/TPOT(1.0) against the active-parameter fraction
-per level; a level switch against a 256-token TTFT; bytes of a max_level=0.5 pull vs a full one.
-Without --package it elastifies SmolLM2 once (small Taylor profile) into the cache.
+Rows: decode tokens/s of the SDK (fp32, fp16, int8) against HF transformers `generate`
+(fp32) and llama.cpp (llama-cpp-python, run from a separate interpreter since it is not a
+service dependency; skipped when absent) on the packaged Q4_1 GGUF and on Q8_0 and F16
+re-quantisations of it; TPOT(m)/TPOT(1.0) against the active-parameter fraction per level;
+a level switch against a 256-token TTFT; bytes of a max_level=0.5 pull vs a full one.
+Every contender gets the same thread count. Without --package it elastifies SmolLM2 once
+(small Taylor profile) into the cache.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as device_sdk sets it, for every contender alike
+os.environ.setdefault("COLUMNS", "150")  # one line per row, also when not printing to a terminal
 
 import torch  # noqa: E402
+from common import print_table  # noqa: E402
 
 from device_sdk.latency import measure_level  # noqa: E402
 from device_sdk.registry import pull, read_local_state  # noqa: E402
@@ -38,14 +41,22 @@ LLAMA_CPP_SCRIPT = """
 import json, sys, time
 from llama_cpp import Llama
 path, prompt, n, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-llm = Llama(model_path=path, n_ctx=512, n_threads=threads, verbose=False)
+llm = Llama(model_path=path, n_ctx=512, n_threads=threads, n_threads_batch=threads, verbose=False)
 def run(tokens):
     start = time.perf_counter()
     llm.create_completion(prompt, max_tokens=tokens, temperature=0.0)
     return time.perf_counter() - start
 run(4)
-one, full = min(run(1) for _ in range(2)), min(run(n) for _ in range(2))
+one, full = min(run(1) for _ in range(3)), min(run(n) for _ in range(3))
 print(json.dumps({"decode_tok_s": (n - 1) / (full - one)}))
+"""
+
+LLAMA_CPP_QUANTIZE_SCRIPT = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype, params.allow_requantize = getattr(llama_cpp, sys.argv[3]), True
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
 """
 
 
@@ -56,8 +67,9 @@ def bench_package(home: Path) -> Path:
         from pipeline.assets import prepare_smollm2
 
         subprocess.run(
-            [sys.executable, "-m", "api.cli", "elastify", "--model", str(prepare_smollm2()), "--out", str(package),
-             "--levels", LEVELS, "--windows", "8", "--layer-method", "block_influence", "--eval-windows", "0"],
+            [sys.executable, "-c", "from api.cli import main; main()", "elastify", "--model", str(prepare_smollm2()),
+             "--out", str(package), "--levels", LEVELS, "--windows", "8", "--layer-method", "block_influence",
+             "--eval-windows", "0"],
             check=True,
         )
     return package
@@ -89,7 +101,7 @@ def trimmed_mean(values: list[float]) -> float:
 
 def sdk_decode_tok_s(model: ElasticModel) -> float:
     model.set_level("1.0")
-    best = min(measure_level(model, (16,), decode_tokens=NEW_TOKENS, repeats=1).tpot_ms for _ in range(2))
+    best = min(measure_level(model, (16,), decode_tokens=NEW_TOKENS, repeats=1).tpot_ms for _ in range(3))
     return 1000.0 / best
 
 
@@ -109,7 +121,7 @@ def hf_decode_tok_s(model_dir: Path) -> float:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     inputs = tokenizer(PROMPT, return_tensors="pt")
     best = float("inf")
-    for _ in range(2):
+    for _ in range(3):
         stamps = Stamps()
         with torch.inference_mode():
             model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
@@ -117,15 +129,6 @@ def hf_decode_tok_s(model_dir: Path) -> float:
         steps = [b - a for a, b in zip(stamps.times, stamps.times[1:], strict=False)]
         best = min(best, trimmed_mean(steps))
     return 1.0 / best
-
-
-LLAMA_CPP_Q8_SCRIPT = """
-import ctypes, sys
-import llama_cpp
-params = llama_cpp.llama_model_quantize_default_params()
-params.ftype, params.allow_requantize = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0, True
-sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)))
-"""
 
 
 def llama_cpp_decode_tok_s(python: str, gguf: Path) -> float | None:
@@ -139,32 +142,77 @@ def llama_cpp_decode_tok_s(python: str, gguf: Path) -> float | None:
     return json.loads(out.stdout.strip().splitlines()[-1])["decode_tok_s"]
 
 
-def llama_cpp_rows(python: str | None, scratch: Path, sdk8: float) -> list[tuple[str, str, str]]:
-    """The packaged Q4_1 GGUF, and a Q8_0 requantized from it (Q8_0 speed; Q4_1's accuracy)."""
+def llama_cpp_rows(python: str | None, scratch: Path, sdk: dict[str, float]) -> list[list[str]]:
+    """The packaged Q4_1 GGUF, and Q8_0 and F16 re-quantised from it (their speed; Q4_1's accuracy)."""
     from pipeline.assets import smollm2_gguf
 
     if not python or not Path(python).is_file():
-        return [("decode tok/s, llama.cpp", "skipped", "llama-cpp-python not installed (give --llama-python)")]
-    q8 = scratch / "smollm2-q8_0.gguf"
-    made = subprocess.run([python, "-c", LLAMA_CPP_Q8_SCRIPT, str(smollm2_gguf()), str(q8)], capture_output=True)
+        return [["decode tok/s, llama.cpp", "skipped", "llama-cpp-python not installed (give --llama-python)"]]
     rows = []
-    for label, gguf in (("Q4_1", smollm2_gguf()), ("Q8_0 (from Q4_1)", q8 if made.returncode == 0 else None)):
+    # (label, file type to re-quantise to or None for the packaged file, the SDK format it compares with)
+    for label, ftype, peer in (("Q4_1 (packaged)", None, "int8"), ("Q8_0 (from Q4_1)", "LLAMA_FTYPE_MOSTLY_Q8_0", "int8"),
+                               ("F16 (from Q4_1)", "LLAMA_FTYPE_MOSTLY_F16", "fp16")):
+        gguf = smollm2_gguf()
+        if ftype is not None:
+            gguf = scratch / f"smollm2-{ftype}.gguf"
+            made = subprocess.run([python, "-c", LLAMA_CPP_QUANTIZE_SCRIPT, str(smollm2_gguf()), str(gguf), ftype],
+                                  capture_output=True)
+            gguf = gguf if made.returncode == 0 else None
         rate = llama_cpp_decode_tok_s(python, gguf) if gguf else None
         if rate is None:
-            rows.append((f"decode tok/s, llama.cpp {label}", "failed", ""))
+            rows.append([f"decode tok/s, llama.cpp {label}", "failed", ""])
         else:
-            rows.append((f"decode tok/s, llama.cpp {label}", f"{rate:.1f}", f"SDK int8 = {sdk8 / rate:.2f}x; goal >= 1.0x"))
+            goal = "; goal >= 1.0x at comparable precision" if label.startswith(("Q8_0", "F16")) else ""
+            rows.append([f"decode tok/s, llama.cpp {label}", f"{rate:.1f}", f"SDK {peer} = {sdk[peer] / rate:.2f}x{goal}"])
     return rows
+
+
+def tpot_rows(models: dict[str, ElasticModel]) -> list[list[str]]:
+    """TPOT per level over the full level's, interleaving levels and keeping each one's best round."""
+    rows = []
+    for name, model in models.items():
+        tpots = {level: float("inf") for level in model.available_levels()}
+        for _ in range(3):
+            for level in tpots:
+                model.set_level(level)
+                tpots[level] = min(tpots[level], measure_level(model, (16,), decode_tokens=24, repeats=1).tpot_ms)
+        for level, tpot in tpots.items():
+            fraction = model.manifest.elastic.level(level).active_fraction
+            ratio = tpot / tpots["1.0"]
+            rows.append([f"TPOT({level})/TPOT(1.0) {name}", f"{ratio:.3f} vs active fraction {fraction:.3f}",
+                         f"{ratio / fraction:.2f}x of fraction; goal <= 1.1x"])
+    return rows
+
+
+def switch_row(model: ElasticModel) -> list[str]:
+    """set_level plus what the next token pays to see it (the native decoder's refresh)."""
+    model.set_level("1.0")
+    ttft = measure_level(model, (256,), decode_tokens=1, repeats=2).ttft_base_ms  # one length: base = TTFT(256)
+    decoder = model.transformer.decoder
+    switches = []
+    for _ in range(50):
+        for level in ("0.5", "1.0"):
+            start = time.perf_counter()
+            model.set_level(level)
+            if decoder is not None:
+                decoder.sync()
+            switches.append((time.perf_counter() - start) * 1000)
+    switch = statistics.median(switches)
+    return ["level switch (median) vs 256-token TTFT, int8", f"{switch:.3f} ms vs {ttft:.1f} ms",
+            f"{100 * switch / ttft:.3f}%; goal < 0.1%"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", type=Path)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="for every contender (default: all cores)")
     parser.add_argument("--llama-python", default=os.environ.get("ELASTIFY_LLAMA_PYTHON"))
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     home = Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
     package = args.package or bench_package(home)
-    rows: list[tuple[str, str, str]] = []
+    load_before = os.getloadavg()[0]
+    rows: list[list[str]] = []
 
     with tempfile.TemporaryDirectory() as scratch:
         registry, public_key = sign_copy(package, Path(scratch))
@@ -173,53 +221,24 @@ def main() -> int:
                     cache_dir=Path(scratch) / "half")
         full_bytes, half_bytes = read_local_state(full)["bytes"], read_local_state(half)["bytes"]
 
-        fp32 = ElasticModel.load(full, public_key=public_key)
-        int8 = ElasticModel.load(full, public_key=public_key, quantize="int8")
+        models = {fmt: ElasticModel.load(full, public_key=public_key, quantize=fmt) for fmt in ("fp32", "fp16", "int8")}
         from pipeline.assets import prepare_smollm2
 
         hf = hf_decode_tok_s(prepare_smollm2())
-        sdk32, sdk8 = sdk_decode_tok_s(fp32), sdk_decode_tok_s(int8)
-        rows += [
-            ("decode tok/s, HF generate fp32", f"{hf:.1f}", "baseline"),
-            ("decode tok/s, SDK fp32", f"{sdk32:.1f}  ({sdk32 / hf:.2f}x HF)", ">= 3x HF"),
-            ("decode tok/s, SDK int8", f"{sdk8:.1f}  ({sdk8 / hf:.2f}x HF)", ">= 3x HF"),
-        ]
-        rows += llama_cpp_rows(args.llama_python, Path(scratch), sdk8)
+        sdk = {fmt: sdk_decode_tok_s(model) for fmt, model in models.items()}
+        rows.append(["decode tok/s, HF generate fp32", f"{hf:.1f}", "baseline"])
+        for fmt, rate in sdk.items():
+            rows.append([f"decode tok/s, SDK {fmt}", f"{rate:.1f}  ({rate / hf:.2f}x HF)", ">= 3x HF"])
+        rows += llama_cpp_rows(args.llama_python, Path(scratch), sdk)
+        rows += tpot_rows({"fp32": models["fp32"], "int8": models["int8"]})
+        rows.append(switch_row(models["int8"]))
+        rows.append(["bytes pulled, max_level=0.5 vs full", f"{half_bytes:,} vs {full_bytes:,}",
+                     f"{half_bytes / full_bytes:.1%} of full"])
 
-        for name, model in (("fp32", fp32), ("int8", int8)):
-            tpots = {level: float("inf") for level in model.available_levels()}
-            for _ in range(3):  # interleave the levels and keep each one's best round
-                for level in tpots:
-                    model.set_level(level)
-                    tpots[level] = min(tpots[level], measure_level(model, (16,), decode_tokens=24, repeats=1).tpot_ms)
-            for level, tpot in tpots.items():
-                fraction = model.manifest.elastic.level(level).active_fraction
-                ratio = tpot / tpots["1.0"]
-                rows.append((f"TPOT({level})/TPOT(1.0) {name}", f"{ratio:.3f} vs active fraction {fraction:.3f}",
-                             f"{ratio / fraction:.2f}x of fraction; goal <= 1.1x"))
-
-        model = int8
-        model.set_level("1.0")
-        ttft = measure_level(model, (256,), decode_tokens=1, repeats=2).ttft_base_ms  # one length: base = TTFT(256)
-        switches = []
-        for _ in range(50):
-            for level in ("0.5", "1.0"):
-                start = time.perf_counter()
-                model.set_level(level)
-                switches.append((time.perf_counter() - start) * 1000)
-        switch = statistics.median(switches)
-        rows.append(("level switch (median) vs 256-token TTFT, int8", f"{switch:.3f} ms vs {ttft:.1f} ms",
-                     f"{100 * switch / ttft:.3f}%; goal < 0.1%"))
-        rows.append(("bytes pulled, max_level=0.5 vs full", f"{half_bytes:,} vs {full_bytes:,}",
-                     f"{half_bytes / full_bytes:.1%} of full"))
-
-    load = os.getloadavg()[0]
-    print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, load average {load:.1f}, {NEW_TOKENS} new tokens")
-    width = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
-    print(f"{'metric':<{width[0]}}  {'value':<{width[1]}}  note")
-    print("-" * (width[0] + width[1] + 40))
-    for metric, value, note in rows:
-        print(f"{metric:<{width[0]}}  {value:<{width[1]}}  {note}")
+    native = "native decoder" if models["int8"].transformer.decoder is not None else "torch fallback"
+    print_table(f"SmolLM2-135M device SDK ({native}), {args.threads} threads, load average "
+                f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}, {NEW_TOKENS} new tokens",
+                ["metric", "value", "note"], rows)
     return 0
 
 
