@@ -69,13 +69,9 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t n0 = tile * ROW_TILE, rows = std::min(ROW_TILE, N - n0);
       if (M == 1) {  // decode: dequantize inside the dot product, each weight read once
-        for (int64_t j = 0; j < rows; ++j) {
-          const T* wj = w + (n0 + j) * K;
-          float acc = 0;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < K; ++k) acc += x[k] * static_cast<float>(wj[k]);
-          y[n0 + j] = scale != nullptr ? acc * scale[n0 + j] : acc;
-        }
+        elastic::gemv_rows(x, w, K, n0, n0 + rows, y);
+        if (scale != nullptr)
+          for (int64_t j = n0; j < n0 + rows; ++j) y[j] *= scale[j];
         continue;
       }
       const float* wt;
@@ -131,32 +127,6 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
 
 // --- column units: each input row k of Wt adds x[m, k] · Wt[k, :] to a block of outputs
 
-// Decode: one x row, the weight read once straight from storage, NB outputs in registers.
-template <int64_t NB, typename T>
-void columns_gemv_block(const float* x, const T* w, float* y, int64_t N, int64_t K, int64_t n0) {
-  const int64_t width = std::min(NB, N - n0);
-  float acc[NB] = {};
-  float wk[NB] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wrow;
-    if constexpr (std::is_same<T, float>::value) {
-      if (width == NB) {
-        wrow = w + k * N + n0;
-      } else {
-        to_float(w + k * N + n0, wk, width);
-        wrow = wk;
-      }
-    } else {
-      to_float(w + k * N + n0, wk, width);
-      wrow = wk;
-    }
-    const float xv = x[k];
-#pragma omp simd
-    for (int64_t j = 0; j < NB; ++j) acc[j] += xv * wrow[j];
-  }
-  std::copy(acc, acc + width, y + n0);
-}
-
 // Prefill: pack (and dequantize) the [K, NB] weight panel once, then sweep MR x rows at a
 // time over it with an MR x NB block of accumulators.
 template <int64_t MR, int64_t NB, typename T>
@@ -182,18 +152,22 @@ void columns_gemm_block(const float* x, const T* w, float* y, int64_t M, int64_t
 
 template <typename T>
 void columns_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
-  constexpr int64_t GEMV_BLOCK = 64, GEMM_BLOCK = 16, GEMM_ROWS = 4;
-  const int64_t block = M == 1 ? GEMV_BLOCK : GEMM_BLOCK;
-  const int64_t blocks = (N + block - 1) / block;
+  constexpr int64_t GEMM_BLOCK = 16, GEMM_ROWS = 4;
+  if (M == 1) {  // decode: each thread streams whole runs of its output columns down the rows
+    const int64_t parts = threads_for((N + 15) / 16, N * K);
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int64_t part = 0; part < parts; ++part) {
+      const auto range = elastic::split(N, parts, part, 16);
+      elastic::gemv_columns(x, w, N, K, range.first, range.second, y);
+    }
+  } else {
+    const int64_t blocks = (N + GEMM_BLOCK - 1) / GEMM_BLOCK;
 #pragma omp parallel num_threads(threads_for(blocks, M * N * K))
-  {
-    std::vector<float> panel;
+    {
+      std::vector<float> panel;
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (M == 1)
-        columns_gemv_block<GEMV_BLOCK>(x, w, y, N, K, b * block);
-      else
-        columns_gemm_block<GEMM_ROWS, GEMM_BLOCK>(x, w, y, M, N, K, b * block, panel);
+      for (int64_t b = 0; b < blocks; ++b)
+        columns_gemm_block<GEMM_ROWS, GEMM_BLOCK>(x, w, y, M, N, K, b * GEMM_BLOCK, panel);
     }
   }
   if (scale != nullptr)

@@ -270,3 +270,22 @@ def test_sdk_native_decode_matches_reference_smollm2(weight_format, smollm2_pack
             model.transformer.layers[3].projection(name).lora = (a, b, 2.0)
         steps, reference = decode_both_ways(model, ids, prefill=16)
         assert (steps - reference).abs().max().item() <= 5e-4, level
+
+
+@needs_native
+def test_sdk_native_decode_is_the_same_at_any_thread_count(tmp_path):
+    """Every output is summed by one thread in one order, so splitting the work changes no bit."""
+    _, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
+    add_recovery_adapters(package, KEY)
+    model = ElasticModel.load(package, quantize="int8")
+    model.set_level("0.75")
+    ids = token_ids(256, length=10, batch=1)
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            runs.append(decode_both_ways(model, ids, prefill=4)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
