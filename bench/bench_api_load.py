@@ -1,8 +1,8 @@
 """REST API under load on loopback: 50 concurrent clients send 500 mixed requests (submit, list,
 get, usage) to one uvicorn process over PostgreSQL. Checks no 5xx and that every accepted
 submission is exactly one build (none lost, none duplicated, replays of an Idempotency-Key
-answer the first build); prints p50/p99 per request type, and each as a ratio to GET /healthz
-(no database) measured in the same run.
+answer the first build); prints p50/p99 per request type, the p50 of the same requests from one
+client in the same run (the baseline: no queueing), and GET /healthz (no database) under load.
 
     .venv/bin/python bench/bench_api_load.py [--clients 50] [--requests 500] [--tenants 5]
 
@@ -142,7 +142,7 @@ def main() -> int:
         try:
             services.wait_for_port(port, 60)
             url = f"http://127.0.0.1:{port}"
-            asyncio.run(load(url, tokens, args.clients, 50, seed=99))  # warm-up: connections, imports, plans
+            alone, _, _ = asyncio.run(load(url, tokens, 1, 150, seed=99))  # the baseline; warms the server up
             with sessions.begin() as session:  # start the measured run from an empty build table
                 session.execute(delete(StageInput))
                 session.execute(delete(Event))
@@ -159,18 +159,22 @@ def main() -> int:
     by_kind = defaultdict(list)
     for kind, _, seconds in results:
         by_kind[kind].append(seconds)
-    base = statistics.median(by_kind["healthz"])
+    single = defaultdict(list)
+    for kind, _, seconds in alone:
+        single[kind].append(seconds)
     rows = []
     for kind in ["healthz", *MIX]:
         samples = sorted(by_kind[kind])
-        if not samples:
+        if not samples or not single[kind]:
             continue
         p50, p99 = statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-        rows.append([kind, len(samples), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", f"{p50 / base:.1f}×"])
+        base = statistics.median(single[kind])
+        rows.append([kind, len(samples), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", f"{base * 1e3:.1f}",
+                     f"{p50 / base:.1f}×"])
     measured = len(results) - len(by_kind["healthz"])
     print_table(f"API load: {args.clients} clients, {measured} requests (+{len(by_kind['healthz'])} healthz), "
                 f"PostgreSQL, {wall:.1f} s, {measured / wall:.0f} req/s",
-                ["request", "n", "p50 ms", "p99 ms", "p50 / healthz p50"], rows)
+                ["request", "n", "p50 ms", "p99 ms", "1 client p50 ms", "p50 vs 1 client"], rows)
     console.print(f"statuses {dict(sorted(statuses.items()))}; 5xx: {server_errors}; accepted submissions {keys}, "
                   f"builds in the database {builds}, lost or duplicated: {problems}")
     ok = server_errors == 0 and problems == 0 and keys == builds
