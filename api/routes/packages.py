@@ -59,6 +59,21 @@ def _manifest(request: Request, prefix: str) -> bytes:
         raise ProblemError(503, f"{prefix}/{MANIFEST} is missing from the store", kind="store-missing") from None
 
 
+_LISTED: dict[str, frozenset[str]] = {}  # manifest sha256 -> the paths it lists
+
+
+def _listed_files(request: Request, package) -> frozenset[str]:
+    """The package's file paths. Cached by manifest digest (versions are immutable): a partial pull
+    asks for hundreds of byte ranges, and each would otherwise fetch and parse the whole manifest."""
+    listed = _LISTED.get(package.manifest_sha256)
+    if listed is None:
+        listed = frozenset(entry["path"] for entry in json.loads(_manifest(request, package.uri)).get("files", []))
+        if len(_LISTED) >= 1024:
+            _LISTED.clear()
+        _LISTED[package.manifest_sha256] = listed
+    return listed
+
+
 @router.get("/{name}/{version}/manifest", responses={
     200: {"description": "the signed manifest.json, byte for byte", "content": {"application/json": {"schema": {"type": "object"}}}},
     **problems(404, 422, 503),
@@ -92,8 +107,7 @@ def download(
     """Download one file of a package. A local store streams it with HTTP Range support (206, 416);
     an S3 store redirects to a short-lived presigned URL."""
     package = _package(request, caller, name, version)
-    listed = {entry["path"] for entry in json.loads(_manifest(request, package.uri)).get("files", [])}
-    if path != MANIFEST and path not in listed:
+    if path != MANIFEST and path not in _listed_files(request, package):
         raise not_found(f"{name} {package.version} has no file {path}")
     key = f"{package_prefix(package.name, package.version)}/{path}"
     artifacts = store(request)
