@@ -63,7 +63,7 @@ def _openapi(app: FastAPI, max_body_bytes: int) -> dict:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
     problem = {"$ref": "#/components/schemas/Problem"}
-    EXAMPLES[413] = f"the request body is larger than {max_body_bytes} bytes"
+    examples = {**EXAMPLES, 413: f"the request body is larger than {max_body_bytes} bytes"}
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
@@ -79,7 +79,7 @@ def _openapi(app: FastAPI, max_body_bytes: int) -> dict:
                 response["description"] = HTTPStatus(status).phrase
                 response["content"] = {"application/problem+json": {"schema": problem, "example": {
                     "type": "about:blank", "title": HTTPStatus(status).phrase, "status": status,
-                    "detail": EXAMPLES.get(status, HTTPStatus(status).description), "instance": path,
+                    "detail": examples.get(status, HTTPStatus(status).description), "instance": path,
                 }}}
                 if status == 401:
                     response["headers"] = {"WWW-Authenticate": {"schema": {"type": "string"}}}

@@ -20,3 +20,19 @@ def smollm2_package(smollm2, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "pkg"
     return build_package(smollm2.model, smollm2.tokenizer, out, signing_key(), name="smollm2",
                          levels=SMOLLM2_LEVELS, align=32, importance=importance)
+
+
+@pytest.fixture
+def api(tmp_path):
+    """The REST API app over SQLite and a local store, with the cheap test registry (tests/api_support.py)."""
+    from tests.api_support import make_api
+
+    return make_api(tmp_path)
+
+
+@pytest.fixture
+def client(api):
+    """A TestClient of `api`."""
+    from fastapi.testclient import TestClient
+
+    return TestClient(api.app)

@@ -11,17 +11,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from cluster.models import Build, Event, Stage
-from tests.api_support import finish_build, make_api, spec, sse_events
-
-
-@pytest.fixture
-def api(tmp_path):
-    return make_api(tmp_path)
-
-
-@pytest.fixture
-def client(api):
-    return TestClient(api.app)
+from tests.api_support import finish_build, spec, sse_events
 
 
 @pytest.fixture

@@ -13,12 +13,7 @@ from typer.testing import CliRunner
 
 from api.app import create_app
 from cluster.models import Tenant
-from tests.api_support import finish_build, make_api, spec
-
-
-@pytest.fixture
-def api(tmp_path):
-    return make_api(tmp_path)
+from tests.api_support import finish_build, spec
 
 
 @pytest.fixture

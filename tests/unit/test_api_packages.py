@@ -6,24 +6,13 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from cluster.models import Alias
 from cluster.packages import alias_key
-from tests.api_support import finish_build, make_api, publish_files, spec
+from tests.api_support import finish_build, publish_files, spec
 
 WEIGHTS = bytes(range(256)) * 40  # 10240 bytes
-
-
-@pytest.fixture
-def api(tmp_path):
-    return make_api(tmp_path)
-
-
-@pytest.fixture
-def client(api):
-    return TestClient(api.app)
 
 
 @pytest.fixture

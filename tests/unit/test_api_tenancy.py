@@ -6,23 +6,12 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import func, select
 
 from api.auth import token_hash
 from cluster.models import ApiToken, Build, utcnow
 from cluster.service import month_start, set_quota
-from tests.api_support import finish_build, make_api, publish_files, spec
-
-
-@pytest.fixture
-def api(tmp_path):
-    return make_api(tmp_path)
-
-
-@pytest.fixture
-def client(api):
-    return TestClient(api.app)
+from tests.api_support import finish_build, publish_files, spec
 
 
 def test_tokens_are_stored_only_as_their_hash(api):
@@ -161,3 +150,14 @@ def test_gpu_hour_budget_refuses_with_429_and_counts_only_this_month(api, client
     assert _builds(api) == before
     set_quota(api.sessions, "acme", gpu_hours_per_month=2.0)
     assert client.post("/v1/builds", json=spec(version="3"), headers=acme).status_code == 201
+
+
+def test_a_retry_counts_against_the_concurrency_quota(api, client):
+    acme = api.token("acme")
+    failed = client.post("/v1/builds", json=spec(version="1"), headers=acme).json()["id"]
+    finish_build(api, failed, status="failed")
+    client.post("/v1/builds", json=spec(version="2"), headers=acme)
+    set_quota(api.sessions, "acme", max_concurrent_builds=1)
+    refused = client.post(f"/v1/builds/{failed}/retry", headers=acme)
+    assert refused.status_code == 429 and refused.headers["content-type"] == "application/problem+json"
+    assert client.get(f"/v1/builds/{failed}", headers=acme).json()["status"] == "failed"  # left as it was
