@@ -44,6 +44,10 @@ class LevelCursor:
         self.index = -1
         self.version = 0
 
+    def select(self, index: int) -> None:
+        self.index = index
+        self.version += 1
+
 
 class ElasticLinear(nn.Module):
     def __init__(

@@ -97,6 +97,13 @@ class ElasticModel:
             [(name, proj, ".self_attn." in name) for name, proj in self._projections(block, index)]
             for index, block in enumerate(self.transformer.layers)
         ]
+        # Every projection's views for every level, made once: a level switch moves one cursor.
+        levels = manifest.elastic.levels
+        self._level_index = {level.name: i for i, level in enumerate(levels)}
+        for index, projections in enumerate(self._switch_plan):
+            for _, proj, sized_by_groups in projections:
+                units = [(level.attn_units if sized_by_groups else level.mlp_units)[index] for level in levels]
+                proj.linear.bind_levels(self.transformer.cursor, units)
         self.adapters = self._read_adapters()
         config = json.loads((self.package_dir / "model" / "config.json").read_text())
         eos = config.get("eos_token_id")
@@ -167,13 +174,14 @@ class ElasticModel:
         return self.held_level is None or float(level) <= float(self.held_level)
 
     def set_level(self, level: str | float) -> None:
-        """Switch to a package level and its LoRA: O(layers), no weight data copied."""
+        """Switch to a package level and its LoRA: one cursor write for the widths, no weight data copied."""
         chosen: Level = self.manifest.elastic.level(level)
         if not self.holds(chosen.name):
             raise PackageError(
                 f"level {chosen.name} is above {self.held_level}, the most this partial copy holds; pull it again"
             )
-        self._set_widths(chosen.attn_units, chosen.mlp_units, self.adapters.get(chosen.name, {}))
+        self.transformer.cursor.select(self._level_index[chosen.name])
+        self._set_loras(self.adapters.get(chosen.name, {}))
         self.level = chosen.name
         self.profile = None
 
@@ -188,16 +196,22 @@ class ElasticModel:
                 m > h for m, h in zip(mlp_units, held.mlp_units, strict=True)
             ):
                 raise PackageError(f"widths exceed level {self.held_level}, the most this partial copy holds")
+        self.transformer.cursor.select(-1)  # layers run their own widths
         self._set_widths(attn_units, mlp_units, {})
         self.level = None
         self.profile = None
 
     def _set_widths(self, attn_units, mlp_units, lora) -> None:
         for projections, groups, neurons in zip(self._switch_plan, attn_units, mlp_units, strict=True):
-            for name, proj, sized_by_groups in projections:
+            for _, proj, sized_by_groups in projections:
                 width = groups if sized_by_groups else neurons
                 if proj.linear.units != width:  # anchor layers never change: skip them
                     proj.linear.set_width(width)
+        self._set_loras(lora)
+
+    def _set_loras(self, lora) -> None:
+        for projections in self._switch_plan:
+            for name, proj, _ in projections:
                 adapter = lora.get(name)
                 if proj.lora is not adapter:
                     proj.__dict__["lora"] = adapter  # a plain attribute; see ElasticLinear.set_width
