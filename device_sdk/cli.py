@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     pull = sub.add_parser("pull", help="download, verify and install a package")
     pull.add_argument("name")
     pull.add_argument("version", help="a version or an alias such as latest")
-    pull.add_argument("--registry", required=True, help="directory, file:// or http(s):// bucket URL")
+    pull.add_argument("--registry", required=True,
+                      help="directory, file:// or http(s):// bucket URL, or the Elastify API: http(s)://HOST:PORT/v1 "
+                           "(bearer token from ELASTIFY_TOKEN)")
     pull.add_argument("--public-key", required=True, help="the publisher's base64 Ed25519 public key")
     pull.add_argument("--max-level", help="fetch only what levels up to this one need")
     pull.add_argument("--cache-dir", type=Path)
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except PackageError as err:
+    except (PackageError, ConnectionError) as err:  # ConnectionError: a download that may be resumed by pulling again
         print(f"error: {err}", file=sys.stderr)
         return 1
 

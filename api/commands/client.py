@@ -276,10 +276,12 @@ def packages_show(
     out.print(f"{manifest['name']} {manifest['version']} (format {manifest['format_version']}, build {manifest.get('build_id')})")
     out.print(f"source: {manifest.get('source', {}).get('model')}")
     table = Table(title=f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']):,} bytes; levels")
-    for column in ("level", "active fraction", "adapter"):
+    for column in ("level", "active fraction", "adapter", "quality"):
         table.add_column(column)
     for level in levels:
-        table.add_row(str(level.get("ratio", level.get("name"))), f"{level.get('active_fraction', 0):.3f}", level.get("adapter") or "")
+        quality = ", ".join(f"{metric} {value:.4g}" for metric, value in (level.get("quality") or {}).items())
+        table.add_row(str(level.get("name", level.get("ratio"))), f"{level.get('active_fraction', 0):.3f}",
+                      level.get("adapter") or "", quality)
     out.print(table)
 
 
