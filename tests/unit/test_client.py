@@ -252,3 +252,18 @@ def test_pull_through_the_api_is_scoped_to_the_tenant(api, tmp_path, monkeypatch
     monkeypatch.delenv("ELASTIFY_TOKEN", raising=False)
     with pytest.raises(PackageError, match="401"):
         pull("tiny", "latest", registry=f"{api.url}/v1", public_key=public_bytes(KEY), cache_dir=tmp_path)
+
+
+def test_device_cli_pulls_through_the_api_with_the_token_from_the_environment(api, tmp_path, monkeypatch, capsys):
+    import base64
+
+    from device_sdk.cli import main
+
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    args = ["pull", "tiny", "latest", "--registry", f"{api.url}/v1", "--public-key", key, "--cache-dir", str(tmp_path)]
+    monkeypatch.setenv("ELASTIFY_TOKEN", api.beta)  # another tenant: the package does not exist for it
+    assert main(args) == 1 and "no package 'tiny'" in capsys.readouterr().err
+    monkeypatch.setenv("ELASTIFY_TOKEN", api.acme)
+    assert main(args) == 0
+    assert "ok: tiny 1.0.0 (every level" in capsys.readouterr().out
+    verify_local(tmp_path / "tiny" / "1.0.0", public_bytes(KEY))
