@@ -17,7 +17,7 @@ import hashlib
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from cluster.models import Alias, Event, Package, utcnow
+from cluster.models import Alias, Build, Event, Package, utcnow
 from device_sdk.package import MANIFEST
 
 
@@ -33,6 +33,13 @@ def alias_key(name: str, alias: str) -> str:
     return f"packages/{name}/aliases/{alias}"
 
 
+def name_owner(session, name: str) -> str | None:
+    """The tenant whose builds published `name`: package names are one namespace, owned by one tenant."""
+    return session.scalar(
+        select(Build.tenant_id).join(Package, Package.build_id == Build.id).where(Package.name == name).limit(1)
+    )
+
+
 def register_package(ctx) -> None:
     """on_success hook of the publish stage (ctx: cluster.scheduler.HookContext)."""
     target = ctx.build.spec["publish"]
@@ -45,6 +52,9 @@ def register_package(ctx) -> None:
     prefix = package_prefix(name, version)
     with ctx.sessions() as session:
         existing = session.scalar(select(Package).where(Package.name == name, Package.version == version))
+        owner = name_owner(session, name)
+    if owner is not None and owner != ctx.build.tenant_id:  # nor may it move that tenant's aliases
+        raise PublishRefused(f"package name {name} belongs to another tenant")
     if existing is not None:
         if existing.manifest_sha256 != manifest_sha:
             raise PublishRefused(f"{name} {version} is already published (by build {existing.build_id}); versions are immutable")

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from cluster.dag import ExternalPath, plan
 from cluster.models import Alias, Artifact, Attempt, Build, Event, Package, Stage, StageInput, Tenant, utcnow
-from cluster.packages import alias_key
+from cluster.packages import alias_key, name_owner
 from cluster.registry import Registry
 from cluster.spec import BuildSpec
 from cluster.states import REOPENABLE, TERMINAL, Status, advance, reopen
@@ -147,6 +147,8 @@ def submit(
             row = _locked_tenant(session, tenant)
             if idempotency_key is not None and (replay := _replay(session, tenant, idempotency_key, spec_hash)):
                 return replay
+            if name_owner(session, spec.publish.name) not in (None, tenant):
+                raise StateConflict(f"package name {spec.publish.name} belongs to another tenant; choose another")
             if enforce_quotas:
                 enforce_quota(session, row)
             return Submission(_insert_build(session, spec, spec_hash, planned, tenant, idempotency_key), True)

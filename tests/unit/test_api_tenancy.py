@@ -161,3 +161,34 @@ def test_a_retry_counts_against_the_concurrency_quota(api, client):
     refused = client.post(f"/v1/builds/{failed}/retry", headers=acme)
     assert refused.status_code == 429 and refused.headers["content-type"] == "application/problem+json"
     assert client.get(f"/v1/builds/{failed}", headers=acme).json()["status"] == "failed"  # left as it was
+
+
+def test_a_package_name_belongs_to_the_tenant_that_published_it(api, client, tmp_path):
+    from types import SimpleNamespace
+
+    from cluster.models import Stage
+    from cluster.packages import PublishRefused, alias_key, register_package
+    from device_sdk.package import canonical_json
+
+    acme, beta = api.token("acme"), api.token("beta")
+    mine = client.post("/v1/builds", json=spec(name="shared", version="1"), headers=acme).json()["id"]
+    early = client.post("/v1/builds", json=spec(name="shared", version="2"), headers=beta).json()["id"]  # not yet taken
+    finish_build(api, mine)
+    publish_files(api, mine, "shared", "1", {"model/config.json": b"{}"}, tmp_path)
+    client.put("/v1/packages/shared/aliases/latest", json={"version": "1"}, headers=acme)
+
+    refused = client.post("/v1/builds", json=spec(name="shared", version="3"), headers=beta)
+    assert refused.status_code == 409 and "belongs to another tenant" in refused.json()["detail"]
+    # A build accepted before the name was taken cannot publish under it, nor move acme's alias.
+    source = tmp_path / "artifact"
+    source.mkdir()
+    (source / "manifest.json").write_bytes(canonical_json({"name": "shared", "version": "2"}))
+    artifact = api.store.put_artifact("builds/x/publish", source)
+    with api.sessions() as session:
+        build = session.get(Build, early)
+        stage = session.scalar(select(Stage).where(Stage.build_id == early, Stage.key == "third"))
+    with pytest.raises(PublishRefused, match="belongs to another tenant"):
+        register_package(SimpleNamespace(sessions=api.sessions, store=api.store, build=build, stage=stage,
+                                         outputs={"package": artifact}))
+    assert api.store.get_bytes(alias_key("shared", "latest")) == b"1"
+    assert not api.store.exists("packages/shared/2/manifest.json")
