@@ -46,7 +46,7 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     app.state.ready_checks = ready_checks if ready_checks is not None else {
         "database": health.database_check(app.state.sessions),
         "store": health.store_check(app.state.store),
-        "ray": health.ray_check,
+        "ray": health.ray_check(settings.ray_address),
     }
     problems.install(app)
     app.add_middleware(problems.BodyLimit, limit=max_body_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 from fastapi import APIRouter, Request, Response
@@ -41,15 +42,25 @@ def store_check(store) -> Callable[[], str]:
     return check
 
 
-def ray_check() -> str:
-    import ray
+def ray_check(address: str) -> Callable[[], str]:
+    """Joined to Ray: live nodes. An API process that has not joined (it need not) checks that the
+    cluster's address (ELASTIFY_RAY_ADDRESS, host:port or ray://host:port) accepts connections."""
 
-    if not ray.is_initialized():
-        raise RuntimeError("this process is not connected to Ray")
-    alive = [node for node in ray.nodes() if node.get("Alive")]
-    if not alive:
-        raise RuntimeError("no live Ray nodes")
-    return f"{len(alive)} live nodes"
+    def check() -> str:
+        import ray
+
+        if ray.is_initialized():
+            alive = [node for node in ray.nodes() if node.get("Alive")]
+            if not alive:
+                raise RuntimeError("no live Ray nodes")
+            return f"{len(alive)} live nodes"
+        host, _, port = address.removeprefix("ray://").rpartition(":")
+        if not host or not port.isdigit():
+            raise RuntimeError("this process is not connected to Ray and ELASTIFY_RAY_ADDRESS names no host:port")
+        with socket.create_connection((host, int(port)), timeout=2):
+            return f"{address} accepts connections"
+
+    return check
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "a check failed"}})

@@ -151,3 +151,18 @@ def test_the_documents_examples_are_valid_instances_of_their_models(client):
             continue
         for example in examples:
             model.model_validate(example)
+
+
+def test_readiness_of_an_api_process_that_has_not_joined_ray_checks_the_cluster_address(api):
+    import dataclasses
+    import socket
+
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        port = listening.getsockname()[1]
+        up = TestClient(create_app(dataclasses.replace(api.settings, ray_address=f"ray://127.0.0.1:{port}")))
+        assert up.get("/readyz").json()["checks"]["ray"] == {"ok": True, "detail": f"ray://127.0.0.1:{port} accepts connections"}
+    down = TestClient(create_app(dataclasses.replace(api.settings, ray_address=f"127.0.0.1:{port}")))
+    response = down.get("/readyz")
+    assert response.status_code == 503 and "ConnectionRefusedError" in response.json()["checks"]["ray"]["detail"]
