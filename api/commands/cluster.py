@@ -44,7 +44,8 @@ def up(
         with api:
             console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
             if port:
-                console.print(f"REST API on {api.url} (docs at {api.url}/docs); tokens: `elastify tokens create`")
+                console.print(f"REST API on {api.url} (docs at {api.url}/docs, dashboard at {api.url}/dashboard); "
+                              "tokens: `elastify tokens create`")
             console.print(f"manifests are signed by public key {settings.public_key_b64()}; Ctrl-C stops")
             try:
                 scheduler.run()
