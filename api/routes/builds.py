@@ -23,6 +23,7 @@ from cluster.states import TERMINAL, Status
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
 BUILD_ID = r"^[0-9a-f]{1,32}$"
 SSE_POLL_SECONDS = 0.5
+LOG_PAGE = 500  # events read per query
 SSE_KEEPALIVE_SECONDS = 15.0
 
 SPEC_EXAMPLE = {
@@ -141,13 +142,17 @@ async def logs(
         with sessions(request)() as session:
             status = session.scalar(select(Build.status).where(Build.id == build_id))
             try:
-                return build_events(session, build_id, scope, after_id), status
+                return build_events(session, build_id, scope, after_id, LOG_PAGE), status
             except KeyError:
                 raise not_found(f"no build {build_id}") from None
 
     events, status = await run_in_threadpool(page, start)
     if "text/event-stream" not in (accept or ""):
-        return PlainTextResponse("".join(_log_line(e) for e in events))
+        lines = [_log_line(e) for e in events]
+        while len(events) == LOG_PAGE:  # the whole log, a page of events at a time
+            events, _ = await run_in_threadpool(page, events[-1]["id"])
+            lines += [_log_line(e) for e in events]
+        return PlainTextResponse("".join(lines))
 
     async def stream():
         nonlocal events, status

@@ -174,3 +174,13 @@ def test_logs_as_plain_text_and_as_an_sse_stream_that_follows_to_the_end(api, cl
     resumed = client.get(f"/v1/builds/{build_id}/logs",
                          headers={**acme, "Accept": "text/event-stream", "Last-Event-ID": str(events[1][1]["id"])})
     assert [d.get("message") for _, d in sse_events(resumed.text.splitlines())] == ["build succeeded", None]
+
+
+def test_the_plain_text_log_holds_every_event_of_a_long_build(api, client, acme):
+    build_id = client.post("/v1/builds", json=spec(), headers=acme).json()["id"]
+    with api.sessions.begin() as session:
+        session.add_all(Event(build_id=build_id, kind="log", message=f"line {i}") for i in range(1200))
+    text = client.get(f"/v1/builds/{build_id}/logs", headers=acme).text.splitlines()
+    assert len(text) == 1201 and text[-1].endswith("line 1199")
+    tail = client.get(f"/v1/builds/{build_id}/logs", params={"after": 1100}, headers=acme).text.splitlines()
+    assert len(tail) == 101 and tail[0].endswith("line 1099")
