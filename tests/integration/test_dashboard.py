@@ -112,7 +112,7 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
                 wait_for(lambda b=build_id: everyone.build(b)["status"] == "succeeded", what=f"build {build_id}")
 
             # A third build runs while the page is open: its row must move from running to succeeded.
-            running = clients["acme"].submit(spec("acme-model", "2", stages=three_sleeps(6.0), cache=False))["id"]
+            running = clients["acme"].submit(spec("acme-model", "2", stages=three_sleeps(8.0), cache=False))["id"]
             wait_for(lambda: everyone.build(running)["status"] == "running", what="the third build running")
             browser.get(f"{server.url}/dashboard#token={admin}&refresh=1000")
             assert admin not in browser.current_url  # the page drops the token from the address bar
@@ -142,7 +142,7 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
                 ".textContent", today)
             assert float(total) == pytest.approx(usage_by_day["total_gpu_hours"], rel=5e-3)  # 3 significant digits
             # Each build ran 3 stages with 1 GPU: its GPU time is at least the seconds it slept.
-            assert usage_by_day["total_gpu_hours"] * 3600 >= (1.0 + 0.6) + (0.5 + 0.6) + (6.0 + 0.6)
+            assert usage_by_day["total_gpu_hours"] * 3600 >= (1.0 + 0.6) + (0.5 + 0.6) + (8.0 + 0.6)
 
             # GPU-hours per tenant (the admin sees every tenant).
             drawn = bars(browser, "chart-tenants")
