@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from device_sdk.latency import SLO
 from device_sdk.package import PackageError, read_manifest, rewrite_manifest, verify_package
 from pipeline.clone_collect import (
     CloneError,
@@ -137,6 +138,9 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
             expected = reference(ids).logits
         torch.testing.assert_close(sdk.logits(ids), expected, atol=1e-4, rtol=1e-4)
         assert sdk.profile == name and sdk.level is None
+    profiles = sdk.profiles()
+    assert sdk.choose_profile(SLO(ttft_ms=1e9, tpot_ms=1e9), 8) == min(profiles, key=lambda n: profiles[n].ppl)
+    assert sdk.choose_profile(SLO(ttft_ms=1e-9), 8) is None  # none meets it: the caller keeps the level rule
     out = sdk.generate("The market", max_new_tokens=3, profile="fast")
     assert len(out.tokens) == 3 and sdk.profile == "fast"
     sdk.generate("The market", max_new_tokens=2)
