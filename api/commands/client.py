@@ -65,6 +65,16 @@ def _print_json(data) -> None:
     out.print_json(json.dumps(data, default=str))
 
 
+def _print_table(title: str, columns: list[str], rows: list[list[str]], numeric: tuple[str, ...] = ()) -> None:
+    """A table on stdout; `numeric` columns are right-aligned."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right" if column in numeric else "left")
+    for row in rows:
+        table.add_row(*row)
+    out.print(table)
+
+
 # --------------------------------------------------------------------------- builds
 
 
@@ -141,13 +151,9 @@ def builds_list(
     if as_json:
         _print_json(builds)
         return
-    table = Table(title=f"{len(builds)} builds")
-    for column in ("id", "package", "tenant", "status", "stages", "GPU h", "created"):
-        table.add_column(column, justify="right" if column in ("stages", "GPU h") else "left")
-    for b in builds:
-        table.add_row(b["id"], f"{b['name']} {b['version']}", b["tenant"], b["status"],
-                      f"{b['stages_done']}/{b['stages_total']}", _hours(b["gpu_seconds"]), str(b["created_at"])[:19])
-    out.print(table)
+    _print_table(f"{len(builds)} builds", ["id", "package", "tenant", "status", "stages", "GPU h", "created"],
+                 [[b["id"], f"{b['name']} {b['version']}", b["tenant"], b["status"], f"{b['stages_done']}/{b['stages_total']}",
+                   _hours(b["gpu_seconds"]), str(b["created_at"])[:19]] for b in builds], numeric=("stages", "GPU h"))
 
 
 @builds_app.command("show")
@@ -167,15 +173,14 @@ def builds_show(build_id: str, as_json: AsJSON = False, server: Server = "", tok
 
 
 def _stage_table(build: dict) -> None:
-    table = Table(title=f"stages of {build['id']}")
-    for column in ("stage", "status", "cache", "attempts", "progress", "wall s", "GPU s"):
-        table.add_column(column, justify="left" if column in ("stage", "status") else "right")
+    rows = []
     for stage in build["stages"]:
         progress = stage.get("progress")
-        table.add_row(stage["key"], stage["status"], "hit" if stage["cache_hit"] else "",
-                      str(len(stage["attempts"])), f"{progress['done']}/{progress['total']}" if progress else "",
-                      f"{sum(a['wall_seconds'] for a in stage['attempts']):.1f}", f"{stage['gpu_seconds']:.1f}")
-    out.print(table)
+        rows.append([stage["key"], stage["status"], "hit" if stage["cache_hit"] else "", str(len(stage["attempts"])),
+                     f"{progress['done']}/{progress['total']}" if progress else "",
+                     f"{sum(a['wall_seconds'] for a in stage['attempts']):.1f}", f"{stage['gpu_seconds']:.1f}"])
+    columns = ["stage", "status", "cache", "attempts", "progress", "wall s", "GPU s"]
+    _print_table(f"stages of {build['id']}", columns, rows, numeric=tuple(columns[2:]))
 
 
 @builds_app.command("cancel")
@@ -234,13 +239,10 @@ def packages_list(as_json: AsJSON = False, server: Server = "", token: Token = N
     if as_json:
         _print_json(packages)
         return
-    table = Table(title=f"{len(packages)} packages")
-    for column in ("name", "versions", "latest", "aliases", "updated"):
-        table.add_column(column)
-    for p in packages:
-        aliases = ", ".join(f"{a} → {v}" for a, v in sorted(p["aliases"].items()))
-        table.add_row(p["name"], str(p["versions"]), p["latest_version"], aliases, str(p["updated_at"])[:19])
-    out.print(table)
+    _print_table(f"{len(packages)} packages", ["name", "versions", "latest", "aliases", "updated"],
+                 [[p["name"], str(p["versions"]), p["latest_version"],
+                   ", ".join(f"{a} → {v}" for a, v in sorted(p["aliases"].items())), str(p["updated_at"])[:19]]
+                  for p in packages])
 
 
 @packages_app.command("show")
@@ -261,13 +263,9 @@ def packages_show(
         if as_json:
             _print_json(versions)
             return
-        table = Table(title=f"versions of {name}")
-        for column in ("version", "aliases", "build", "manifest sha256", "created"):
-            table.add_column(column)
-        for v in versions:
-            table.add_row(v["version"], ", ".join(v["aliases"]), v["build_id"], v["manifest_sha256"][:16],
-                          str(v["created_at"])[:19])
-        out.print(table)
+        _print_table(f"versions of {name}", ["version", "aliases", "build", "manifest sha256", "created"],
+                     [[v["version"], ", ".join(v["aliases"]), v["build_id"], v["manifest_sha256"][:16],
+                       str(v["created_at"])[:19]] for v in versions])
         return
     if as_json:
         _print_json(manifest)
@@ -275,14 +273,12 @@ def packages_show(
     levels = manifest.get("elastic", {}).get("levels", [])
     out.print(f"{manifest['name']} {manifest['version']} (format {manifest['format_version']}, build {manifest.get('build_id')})")
     out.print(f"source: {manifest.get('source', {}).get('model')}")
-    table = Table(title=f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']):,} bytes; levels")
-    for column in ("level", "active fraction", "adapter", "quality"):
-        table.add_column(column)
-    for level in levels:
-        quality = ", ".join(f"{metric} {value:.4g}" for metric, value in (level.get("quality") or {}).items())
-        table.add_row(str(level.get("name", level.get("ratio"))), f"{level.get('active_fraction', 0):.3f}",
-                      level.get("adapter") or "", quality)
-    out.print(table)
+    _print_table(f"{len(manifest['files'])} files, {sum(f['size'] for f in manifest['files']):,} bytes; levels",
+                 ["level", "active fraction", "adapter", "quality"],
+                 [[str(level.get("name", level.get("ratio"))), f"{level.get('active_fraction', 0):.3f}",
+                   level.get("adapter") or "",
+                   ", ".join(f"{metric} {value:.4g}" for metric, value in (level.get("quality") or {}).items())]
+                  for level in levels])
 
 
 @packages_app.command("pull")
@@ -352,14 +348,12 @@ def usage(
     if as_json:
         _print_json(report)
         return
-    table = Table(title=f"usage by {', '.join(report['group_by'])}: {report['total_gpu_hours']:.4f} GPU h, "
-                        f"{report['total_cpu_hours']:.4f} CPU h")
-    for column in (*report["group_by"], "attempts", "GPU h", "CPU h", "wall s"):
-        table.add_column(column, justify="left" if column in report["group_by"] else "right")
-    for row in report["rows"]:
-        table.add_row(*(str(row[g]) for g in report["group_by"]), str(row["attempts"]), f"{row['gpu_hours']:.4f}",
-                      f"{row['cpu_hours']:.4f}", f"{row['wall_seconds']:.1f}")
-    out.print(table)
+    measures = ["attempts", "GPU h", "CPU h", "wall s"]
+    _print_table(f"usage by {', '.join(report['group_by'])}: {report['total_gpu_hours']:.4f} GPU h, "
+                 f"{report['total_cpu_hours']:.4f} CPU h", [*report["group_by"], *measures],
+                 [[*(str(row[g]) for g in report["group_by"]), str(row["attempts"]), f"{row['gpu_hours']:.4f}",
+                   f"{row['cpu_hours']:.4f}", f"{row['wall_seconds']:.1f}"] for row in report["rows"]],
+                 numeric=tuple(measures))
 
 
 def mount(app: typer.Typer) -> None:
