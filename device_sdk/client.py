@@ -106,8 +106,10 @@ class ElastifyClient:
                     continue
                 raise _api_error(err) from None
             except urllib.error.URLError as err:
-                raise ElastifyAPIError(0, "server unreachable", f"{self.base_url}: {err.reason}") from None
-        raise ElastifyAPIError(0, "too many redirects", url)
+                raise ElastifyAPIError(0, "server unreachable", f"{_origin(url)}: {err.reason}") from None
+            except (TimeoutError, ConnectionError, http.client.HTTPException) as err:
+                raise ElastifyAPIError(0, "no answer", f"{_origin(url)}: {err or type(err).__name__}") from None
+        raise ElastifyAPIError(0, "too many redirects", _origin(url))
 
     def _json(self, method: str, path: str, **kwargs) -> Any:
         with self.request(method, path, headers={"Accept": "application/json"}, **kwargs) as response:
@@ -297,6 +299,12 @@ def _segment(value: str) -> str:
     if not value or value in (".", "..") or any(c == "/" or ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError(f"invalid name in a URL path: {value!r}")
     return urllib.parse.quote(value, safe="")
+
+
+def _origin(url: str) -> str:
+    """scheme://host:port of a URL: what error messages show (a presigned query string is a credential)."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 def _same_origin(url: str, base: str) -> bool:
