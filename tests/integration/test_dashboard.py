@@ -174,6 +174,12 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
                      what="the login form")
             assert "not accepted" in browser.find_element("id", "error").text
             assert browser.execute_script("return document.getElementById('panels').hidden")
+            # The login field: a good token shows the data again, and only sessionStorage keeps it.
+            browser.find_element("id", "token").send_keys(tokens["acme"])
+            browser.find_element("css selector", "#login button").click()
+            wait_for(lambda: set(table_rows(browser)) == {finished[0], running}, what="acme's builds after login")
+            assert browser.execute_script("return sessionStorage.getItem('elastify-token')") == tokens["acme"]
+            assert tokens["acme"] not in browser.current_url
     finally:
         stop.set()
         loop.join(timeout=60)
