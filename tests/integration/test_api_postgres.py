@@ -1,0 +1,60 @@
+"""Races on PostgreSQL through the live API: concurrent submissions cannot overshoot a tenant's
+concurrency quota, and concurrent submissions with one Idempotency-Key make one build."""
+
+from __future__ import annotations
+
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+
+from api.app import ServerThread
+from cluster.models import Build
+from cluster.service import set_quota
+from tests.api_support import make_api, spec
+from tests.integration import services
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def live(postgres_server, tmp_path):
+    api = make_api(tmp_path, services.create_database(postgres_server, f"t_{uuid.uuid4().hex[:10]}"))
+    with ServerThread(api.app, port=services.free_port()) as server:
+        yield api, server.url
+
+
+def _post_all(url: str, bodies_and_headers: list[tuple[dict, dict]]) -> list[httpx.Response]:
+    def post(item):
+        body, headers = item
+        with httpx.Client(base_url=url, timeout=60) as client:
+            return client.post("/v1/builds", json=body, headers=headers)
+
+    with ThreadPoolExecutor(len(bodies_and_headers)) as pool:
+        return list(pool.map(post, bodies_and_headers))
+
+
+def _builds(api, tenant: str) -> int:
+    with api.sessions() as session:
+        return session.scalar(select(func.count()).select_from(Build).where(Build.tenant_id == tenant))
+
+
+def test_concurrent_submissions_never_overshoot_the_concurrency_quota(live):
+    api, url = live
+    acme = api.token("acme")
+    set_quota(api.sessions, "acme", max_concurrent_builds=3)
+    responses = _post_all(url, [(spec(version=str(i)), acme) for i in range(12)])
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses == [201] * 3 + [429] * 9, statuses
+    assert all(r.headers["content-type"] == "application/problem+json" for r in responses if r.status_code == 429)
+    assert _builds(api, "acme") == 3
+
+
+def test_concurrent_submissions_with_one_idempotency_key_make_one_build(live):
+    api, url = live
+    acme = api.token("acme")
+    responses = _post_all(url, [(spec(), {**acme, "Idempotency-Key": "once"})] * 10)
+    assert sorted(r.status_code for r in responses) == [200] * 9 + [201]
+    assert len({r.json()["id"] for r in responses}) == 1 and _builds(api, "acme") == 1
