@@ -9,10 +9,12 @@
   let timer = null;
   let generation = 0;  // bumped on every start/logout: answers for an older token are dropped
 
-  // Settings from the fragment: #token=…&refresh=ms. The token moves to sessionStorage and out of the address bar.
+  // Settings from the fragment: #token=…&refresh=ms&metric=gpu|cpu. The token moves to sessionStorage and
+  // out of the address bar.
   function readFragment() {
     const params = new URLSearchParams(location.hash.slice(1));
     if (params.get("refresh")) refreshMs = Math.max(1000, Number(params.get("refresh")) || 5000);
+    if (params.get("metric") in METRICS) $("metric").value = params.get("metric");
     if (params.get("token")) sessionStorage.setItem(KEY, params.get("token"));
     if (location.hash) history.replaceState(null, "", location.pathname + location.search);
   }
@@ -33,14 +35,16 @@
   }
 
   const hours = (seconds) => seconds / 3600;
+  const METRICS = { gpu: { name: "GPU-hours", short: "GPU h" }, cpu: { name: "CPU-hours", short: "CPU h" } };
+  const metric = () => $("metric").value;  // "gpu" or "cpu": which *_hours / *_seconds field is drawn
 
-  function daysByStageType(report) {
+  function daysByStageType(report, field) {
     const days = [...new Set(report.rows.map((row) => row.day))].sort();
     const types = [...new Set(report.rows.map((row) => row.stage_type))].sort();
     const series = types.map((type) => ({
       name: type,
       values: days.map((day) => report.rows.filter((r) => r.day === day && r.stage_type === type)
-        .reduce((sum, r) => sum + r.gpu_hours, 0)),
+        .reduce((sum, r) => sum + r[field], 0)),
     }));
     return { days, series };
   }
@@ -75,7 +79,7 @@
       const progress = document.createElement("span");
       progress.append(bar, ` ${build.stages_done}/${build.stages_total}`);
       cell(progress);
-      cell(Charts.format(hours(build.gpu_seconds)), "num");
+      cell(Charts.format(hours(build[`${metric()}_seconds`])), "num");
       cell(new Date(build.created_at + (build.created_at.endsWith("Z") ? "" : "Z")).toLocaleString(), "num");
       return row;
     }));
@@ -91,16 +95,19 @@
         api("/v1/builds?limit=50"),
       ]);
       if (run !== generation) return;
-      const { days, series } = daysByStageType(byDay);
-      Charts.stackedBars($("chart-days"), days, series, { unit: "GPU-h", label: "GPU-hours per day by stage type" });
+      const field = `${metric()}_hours`, { name, short } = METRICS[metric()];
+      document.querySelectorAll(".metric-name").forEach((span) => { span.textContent = name; });
+      $("metric-column").textContent = short;
+      const { days, series } = daysByStageType(byDay, field);
+      Charts.stackedBars($("chart-days"), days, series, { unit: short, label: `${name} per day by stage type` });
       Charts.horizontalBars($("chart-tenants"),
-        byTenant.rows.map((r) => ({ label: r.tenant, value: r.gpu_hours })).sort((a, b) => b.value - a.value),
-        { unit: "GPU-h", label: "GPU-hours per tenant", colourIndex: 2 });
+        byTenant.rows.map((r) => ({ label: r.tenant, value: r[field] })).sort((a, b) => b.value - a.value),
+        { unit: short, label: `${name} per tenant`, colourIndex: 2 });
       const names = Object.fromEntries(builds.items.map((b) => [b.id, `${b.name} ${b.version}`]));
       Charts.horizontalBars($("chart-builds"),
-        byBuild.rows.filter((r) => r.gpu_hours > 0).sort((a, b) => b.gpu_hours - a.gpu_hours).slice(0, 10)
-          .map((r) => ({ label: r.build, value: r.gpu_hours, title: names[r.build] ? `${r.build} (${names[r.build]})` : r.build })),
-        { unit: "GPU-h", label: "top builds by GPU-hours", colourIndex: 4, emptyText: "no GPU time recorded yet" });
+        byBuild.rows.filter((r) => r[field] > 0).sort((a, b) => b[field] - a[field]).slice(0, 10)
+          .map((r) => ({ label: r.build, value: r[field], title: names[r.build] ? `${r.build} (${names[r.build]})` : r.build })),
+        { unit: short, label: `top builds by ${name}`, colourIndex: 4, emptyText: `no ${name} recorded yet` });
       renderBuilds(builds);
       $("refreshed").textContent = `updated ${new Date().toLocaleTimeString()}, every ${refreshMs / 1000} s`;
       $("error").hidden = true;
@@ -121,6 +128,7 @@
     sessionStorage.removeItem(KEY);
     $("panels").hidden = true;
     $("logout").hidden = true;
+    $("metric-choice").hidden = true;
     $("login").hidden = false;
     $("error").textContent = message || "";
     $("error").hidden = !message;
@@ -129,6 +137,7 @@
   function start() {
     $("login").hidden = true;
     $("logout").hidden = false;
+    $("metric-choice").hidden = false;
     generation += 1;
     refresh(generation);
   }
@@ -140,6 +149,7 @@
     start();
   });
   $("logout").addEventListener("click", () => logout());
+  $("metric").addEventListener("change", () => start());
   function begin() {
     readFragment();
     if (sessionStorage.getItem(KEY)) start(); else logout();

@@ -162,6 +162,18 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
                 "return [...document.querySelectorAll('#chart-builds text.value')].map(t => t.textContent)")
             assert [float(label) for label in labels] == pytest.approx([v for v, _ in by_build], rel=5e-3)
 
+            # The same charts in CPU-hours (what a CPU-only deployment records).
+            from selenium.webdriver.support.ui import Select
+
+            Select(browser.find_element("id", "metric")).select_by_value("cpu")
+            cpu = {(r["day"], r["stage_type"]): r["cpu_hours"] for r in usage_by_day["rows"]}
+            wait_for(lambda: {(b["category"], b["series"]): b["value"] for b in bars(browser, "chart-days")} == cpu,
+                     what="the CPU-hour bars")
+            proportional(bars(browser, "chart-days"), "height")
+            assert "CPU-hours per day" in browser.find_element("css selector", "#chart-days").find_element(
+                "xpath", "..").text
+            Select(browser.find_element("id", "metric")).select_by_value("gpu")
+
             # A tenant's token shows that tenant's data only.
             browser.get(f"{server.url}/dashboard#token={tokens['beta']}&refresh=1000")
             wait_for(lambda: set(table_rows(browser)) == {finished[1]}, what="beta's own builds only")
