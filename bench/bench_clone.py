@@ -65,17 +65,13 @@ def prepare(out: Path, reuse: bool, ctx: StageContext) -> Path:
 def collect_on_ray(workers: int, package: Path, own: dict, shards: int, home: Path) -> tuple[float, list[Path]]:
     """Wall time (first shard leased → last recorded) of a fanned-out clone-collect, and its record files."""
     import ray
-    from sqlalchemy import select
 
     from cluster.db import migrate
-    from cluster.models import Stage
     from cluster.registry import Registry, Resources, Shard, StageRegistration
     from cluster.scheduler import Scheduler
     from cluster.service import submit_build
     from cluster.settings import Settings
     from cluster.spec import parse_spec
-    from tests.integration import services
-    from tests.integration.control_plane import FAST
 
     registry = Registry([StageRegistration(
         name="clone-collect", function="pipeline.clone_collect:run", inputs={"package": "source.model"},
@@ -94,6 +90,24 @@ def collect_on_ray(workers: int, package: Path, own: dict, shards: int, home: Pa
     ray.shutdown()
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
+    # Ray gives a task as many OMP threads as CPUs it holds, unless the environment already says:
+    # drop this process's setting so each shard computes on exactly one core in both runs.
+    threads = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        return _timed_collection(workers, package, own, shards, home, run)
+    finally:
+        if threads is not None:
+            os.environ["OMP_NUM_THREADS"] = threads
+
+
+def _timed_collection(workers, package, own, shards, home, run) -> tuple[float, list[Path]]:
+    from sqlalchemy import select
+
+    from cluster.models import Stage
+    from cluster.settings import Settings
+    from tests.integration import services
+    from tests.integration.control_plane import FAST
+
     with services.ray_head(num_cpus=workers, num_gpus=0):
         settings = Settings(home=home, database_url=f"sqlite:///{home / 'clone.db'}", store_url=str(home / "store"),
                             **FAST)
