@@ -7,7 +7,7 @@ Rows: decode tokens/s of the SDK (fp32, fp16, int8) against HF transformers `gen
 service dependency; skipped when absent) on the packaged Q4_1 GGUF and on Q8_0 and F16
 re-quantisations of it; TPOT(m)/TPOT(1.0) against the active-parameter fraction per level;
 a level switch against a 256-token TTFT; bytes of a max_level=0.5 pull vs a full one.
-Every contender gets the same thread count. Without --package it elastifies SmolLM2 once
+Every contender gets the same thread count (--threads, default 1). Without --package it elastifies SmolLM2 once
 (small Taylor profile) into the cache.
 """
 
@@ -205,7 +205,9 @@ def switch_row(model: ElasticModel) -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", type=Path)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="for every contender (default: all cores)")
+    # One thread by default, as the other benches: on a shared 2-core machine a second thread
+    # mostly waits for a core, for every contender alike, and the ratios stop being repeatable.
+    parser.add_argument("--threads", type=int, default=1, help="for every contender (default 1)")
     parser.add_argument("--llama-python", default=os.environ.get("ELASTIFY_LLAMA_PYTHON"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
