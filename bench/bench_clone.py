@@ -240,13 +240,19 @@ def main() -> None:
     own = {"budgets": BUDGETS, "samples": args.samples, "windows": args.windows, "window_length": args.window_length,
            "seed": 0}
     load = os.getloadavg()[0]
-    if args.skip_ray:
+    timing_file = args.out / "collection.json"
+    if args.reuse and timing_file.is_file() and json.loads(timing_file.read_text())["own"] == own:
+        saved = json.loads(timing_file.read_text())  # a previous run's records and timings
+        paths, timing, load = [Path(p) for p in saved["paths"]], saved["timing"], saved["load"]
+    elif args.skip_ray:
         paths = collect_in_process(package, own, args.shards, args.out, ctx)
         timing = None
     else:
         one, _ = collect_on_ray(1, package, own, args.shards, args.out / "ray1")
         two, paths = collect_on_ray(2, package, own, args.shards, args.out / "ray2")
         timing = (one, two)
+        timing_file.write_text(json.dumps({"own": own, "paths": [str(p) for p in paths], "timing": timing,
+                                           "load": load}))
 
     found = search(package, paths, SearchSettings(epochs=args.epochs, candidates=args.candidates,
                                                   beam_width=args.beam_width), ctx)

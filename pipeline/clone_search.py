@@ -38,7 +38,7 @@ class SearchSettings:
     top_records: int = 256  # records (of one budget, best first) the controller trains on
     augment: int = 4  # nudged copies per record
     epochs: int = 200
-    batch_size: int = 64
+    batch_size: int = 128
     lr: float = 1e-3
     seeds: int = 20  # top-k records the gradient ascent starts from
     candidates: int = 40  # N new vectors per budget
@@ -215,6 +215,17 @@ def best_feasible(records: list[dict], budget: dict) -> dict | None:
     return min(fitting, key=lambda r: r["ppl"]) if fitting else None
 
 
+def one_thread(fn, *args):
+    """Run `fn` on one torch thread: the controller's small recurrent ops lose far more to thread
+    hand-offs than they gain (5x slower on 2 threads of a busy 2-core host)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings, ctx: StageContext,
            latency_report: dict | None = None) -> dict:
     """Train a controller per budget, generate and measure candidates, pick one profile per budget."""
@@ -226,9 +237,9 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
     known = {tuple(r["bins"]) for r in records}
     results, profiles = {}, {}
     for name, budget in header["budgets"].items():
-        controller, training = train_controller(records, name, vocab, settings, ctx)
+        controller, training = one_thread(train_controller, records, name, vocab, settings, ctx)
         seeds = [r["bins"] for r in sorted(records, key=lambda r: -r["scores"][name])[: settings.seeds]]
-        vectors = generate(controller, seeds, known, settings)
+        vectors = one_thread(generate, controller, seeds, known, settings)
         with torch.inference_mode():
             candidates = [collector.evaluate(v, "search")
                           for v in ctx.track(vectors, f"clone-search {name}: measure candidates")]
