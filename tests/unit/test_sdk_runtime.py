@@ -289,3 +289,16 @@ def test_sdk_native_decode_is_the_same_at_any_thread_count(tmp_path):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+def test_sdk_without_a_compiler_decodes_on_torch(monkeypatch, tmp_path):
+    monkeypatch.setenv("ELASTIFY_NATIVE", "0")
+    monkeypatch.setattr(kernels, "_native_tried", False)
+    monkeypatch.setattr(kernels, "_native_module", None)
+    _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
+    with pytest.warns(UserWarning, match="torch fallback"):
+        model = ElasticModel.load(package, quantize="int8")
+    assert model.transformer.decoder is None
+    steps, reference = decode_both_ways(model, token_ids(256, length=8, batch=1), prefill=3)
+    assert (steps - reference).abs().max().item() <= 1e-4
+    assert model.generate("abc", max_new_tokens=3, level="0.5").tokens
