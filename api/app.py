@@ -56,6 +56,11 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     return app
 
 
+def app_from_env() -> FastAPI:
+    """The app over `Settings.from_env()`: the factory uvicorn workers call (`elastify serve --workers N`)."""
+    return create_app(Settings.from_env())
+
+
 def _openapi(app: FastAPI, max_body_bytes: int) -> dict:
     """FastAPI's document, with every error response as application/problem+json with an example,
     and the errors every route can give (401 when it needs a token, 413 when it takes a body, 500)."""

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from api.commands import client, cluster, local, tokens
+from api.commands import client, cluster, local, server
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Elastify: build elastic LLM packages.")
 app.add_typer(local.assets_app, name="assets")
 app.command("elastify")(local.elastify_command)
 cluster.mount(app)
-tokens.mount(app)
+server.mount(app)
 client.mount(app)
 
 

@@ -1,10 +1,11 @@
 """REST API under load on loopback: 50 concurrent clients send 500 mixed requests (submit, list,
-get, usage) to one uvicorn process over PostgreSQL. Checks no 5xx and that every accepted
-submission is exactly one build (none lost, none duplicated, replays of an Idempotency-Key
-answer the first build); prints p50/p99 per request type, the p50 of the same requests from one
-client in the same run (the baseline: no queueing), and GET /healthz (no database) under load.
+get, usage) to uvicorn over PostgreSQL, once with 1 worker process and once with 2 (`elastify
+serve --workers`). Checks no 5xx and that every accepted submission is exactly one build (none
+lost, none duplicated, replays of an Idempotency-Key answer the first build); prints p50/p99 per
+request type, and as the baseline the p50 of the same mix from one client in the same run (no
+queueing). GET /healthz (no database) is mixed in as a floor.
 
-    .venv/bin/python bench/bench_api_load.py [--clients 50] [--requests 500] [--tenants 5]
+    .venv/bin/python bench/bench_api_load.py [--clients 50] [--requests 500] [--tenants 5] [--workers 1,2]
 
 The scheduler does not run: builds stay queued, which is the heaviest case for listing.
 """
@@ -36,15 +37,30 @@ from tests.integration import services  # noqa: E402
 MIX = {"submit": 0.25, "replay": 0.05, "list": 0.25, "get": 0.25, "usage": 0.20}
 
 
-def serve(database_url: str, home: str, port: int) -> None:
-    """The API server process: one uvicorn worker, the cheap test registry."""
-    from api.app import ServerThread, create_app
+def bench_app():
+    """The app each uvicorn worker builds: settings from BENCH_* variables, the cheap test registry."""
+    import os
+
+    from api.app import create_app
     from cluster.settings import Settings
     from tests.integration.control_plane import chain_registry
 
-    settings = Settings(home=Path(home), database_url=database_url, store_url=str(Path(home) / "store"))
+    home = Path(os.environ["BENCH_API_HOME"])
+    settings = Settings(home=home, database_url=os.environ["BENCH_API_DATABASE_URL"], store_url=str(home / "store"))
     settings.ensure_signing_key()
-    ServerThread(create_app(settings, chain_registry()), port=port).server.run()
+    return create_app(settings, chain_registry())
+
+
+def serve(database_url: str, home: str, port: int, workers: int) -> None:
+    """The API server: uvicorn with `workers` processes, as `elastify serve --workers` runs it."""
+    import os
+
+    import uvicorn
+
+    os.environ.update(BENCH_API_HOME=home, BENCH_API_DATABASE_URL=database_url,
+                      PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
+    uvicorn.run("bench_api_load:bench_app", factory=True, host="127.0.0.1", port=port, workers=workers,
+                log_level="warning", access_log=False)
 
 
 def spec(tenant: str, n: int) -> dict:
@@ -121,63 +137,92 @@ def check_builds(sessions, accepted: dict) -> tuple[int, int, int]:
     return len(accepted), count, problems
 
 
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def by_kind(results) -> dict[str, list[float]]:
+    grouped = defaultdict(list)
+    for kind, _, seconds in results:
+        grouped[kind].append(seconds)
+    return grouped
+
+
+def clear_builds(sessions) -> None:
+    with sessions.begin() as session:
+        for table in (StageInput, Event, Stage, Build):
+            session.execute(delete(table))
+
+
+def run_server(database_url: str, home: str, sessions, tokens, workers: int, clients: int, requests: int):
+    """One measured run against a fresh server: (1-client baseline, loaded results, accepted, wall)."""
+    port = services.free_port()
+    process = multiprocessing.get_context("spawn").Process(target=serve, args=(database_url, home, port, workers))
+    process.start()
+    try:
+        services.wait_for_port(port, 60)
+        url = f"http://127.0.0.1:{port}"
+        alone, _, _ = asyncio.run(load(url, tokens, 1, 150, seed=99))  # the baseline; warms every worker up
+        clear_builds(sessions)
+        results, accepted, wall = asyncio.run(load(url, tokens, clients, requests))
+    finally:
+        process.terminate()
+        process.join(15)
+    return alone, results, accepted, wall
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=50)
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--tenants", type=int, default=5)
+    parser.add_argument("--workers", default="1,2", help="uvicorn worker counts to compare")
     args = parser.parse_args()
+    worker_counts = [int(w) for w in args.workers.split(",")]
 
     from api.auth import create_token
     from cluster.db import make_engine, migrate, session_factory
 
+    runs, ok = {}, True
     with services.postgres() as server, tempfile.TemporaryDirectory(prefix="bench-api-") as home:
         database_url = services.create_database(server, "bench_api")
         migrate(database_url)
         sessions = session_factory(make_engine(database_url))
         tokens = {f"tenant{i}": create_token(sessions, f"tenant{i}") for i in range(args.tenants)}
-        port = services.free_port()
-        process = multiprocessing.get_context("spawn").Process(target=serve, args=(database_url, home, port), daemon=True)
-        process.start()
-        try:
-            services.wait_for_port(port, 60)
-            url = f"http://127.0.0.1:{port}"
-            alone, _, _ = asyncio.run(load(url, tokens, 1, 150, seed=99))  # the baseline; warms the server up
-            with sessions.begin() as session:  # start the measured run from an empty build table
-                session.execute(delete(StageInput))
-                session.execute(delete(Event))
-                session.execute(delete(Stage))
-                session.execute(delete(Build))
-            results, accepted, wall = asyncio.run(load(url, tokens, args.clients, args.requests))
-        finally:
-            process.terminate()
-            process.join(10)
-        keys, builds, problems = check_builds(sessions, accepted)
+        for workers in worker_counts:
+            alone, results, accepted, wall = run_server(database_url, home, sessions, tokens, workers, args.clients,
+                                                        args.requests)
+            keys, builds, problems = check_builds(sessions, accepted)
+            statuses = Counter(status for _, status, _ in results)
+            server_errors = sum(n for status, n in statuses.items() if status >= 500)
+            console.print(f"{workers} worker(s): statuses {dict(sorted(statuses.items()))}; 5xx: {server_errors}; "
+                          f"accepted submissions {keys}, builds in the database {builds}, lost or duplicated: {problems}")
+            ok &= server_errors == 0 and problems == 0 and keys == builds
+            runs[workers] = (by_kind(alone), by_kind(results), wall, len(results))
+            clear_builds(sessions)
 
-    statuses = Counter(status for _, status, _ in results)
-    server_errors = sum(n for status, n in statuses.items() if status >= 500)
-    by_kind = defaultdict(list)
-    for kind, _, seconds in results:
-        by_kind[kind].append(seconds)
-    single = defaultdict(list)
-    for kind, _, seconds in alone:
-        single[kind].append(seconds)
+    first = worker_counts[0]
+    single = runs[first][0]
+    columns = ["request", "n", "1 client p50 ms"]
+    for workers in worker_counts:
+        columns += [f"{workers}w p50 ms", f"{workers}w p99 ms"]
     rows = []
     for kind in ["healthz", *MIX]:
-        samples = sorted(by_kind[kind])
-        if not samples or not single[kind]:
+        if not single[kind] or not runs[first][1][kind]:
             continue
-        p50, p99 = statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-        base = statistics.median(single[kind])
-        rows.append([kind, len(samples), f"{p50 * 1e3:.1f}", f"{p99 * 1e3:.1f}", f"{base * 1e3:.1f}",
-                     f"{p50 / base:.1f}×"])
-    measured = len(results) - len(by_kind["healthz"])
-    print_table(f"API load: {args.clients} clients, {measured} requests (+{len(by_kind['healthz'])} healthz), "
-                f"PostgreSQL, {wall:.1f} s, {measured / wall:.0f} req/s",
-                ["request", "n", "p50 ms", "p99 ms", "1 client p50 ms", "p50 vs 1 client"], rows)
-    console.print(f"statuses {dict(sorted(statuses.items()))}; 5xx: {server_errors}; accepted submissions {keys}, "
-                  f"builds in the database {builds}, lost or duplicated: {problems}")
-    ok = server_errors == 0 and problems == 0 and keys == builds
+        row = [kind, len(runs[first][1][kind]), f"{statistics.median(single[kind]) * 1e3:.1f}"]
+        for workers in worker_counts:
+            p50, p99 = percentiles(runs[workers][1][kind])
+            row += [f"{p50 * 1e3:.0f}", f"{p99 * 1e3:.0f}"]
+        rows.append(row)
+    throughput = {w: (n - len(loaded["healthz"])) / wall for w, (_, loaded, wall, n) in runs.items()}
+    rows.append(["requests/s", "", ""] + [cell for w in worker_counts for cell in (f"{throughput[w]:.0f}", "")])
+    print_table(f"API load: {args.clients} clients, {args.requests} mixed requests (+healthz), PostgreSQL, "
+                f"uvicorn workers {args.workers}", columns, rows)
+    if len(worker_counts) > 1:
+        last = worker_counts[-1]
+        console.print(f"{last} workers vs {first}: {throughput[last] / throughput[first]:.2f}× requests/s")
     if not ok:
         console.print("[bold red]FAILED[/]: 5xx answers or lost/duplicated builds")
     return 0 if ok else 1

@@ -58,3 +58,29 @@ def test_elastify_up_serves_the_api_and_runs_what_it_accepts(tmp_path, cluster_e
         assert token not in log.read_text()  # tokens are never logged
     finally:
         services.stop_group(process)
+
+
+def test_elastify_serve_runs_the_api_alone_in_several_workers(tmp_path, postgres_server):
+    import uuid
+
+    database_url = services.create_database(postgres_server, f"t_{uuid.uuid4().hex[:10]}")
+    env = {**os.environ, "ELASTIFY_HOME": str(tmp_path / "home"), "ELASTIFY_DATABASE_URL": database_url}
+    elastify = str(services.VENV_BIN / "elastify")
+    port = services.free_port()
+    log = tmp_path / "serve.log"
+    process = subprocess.Popen([elastify, "serve", "--port", str(port), "--workers", "2"], env=env,
+                               stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        services.wait_for_port(port, 120, process, log)
+        token = subprocess.run([elastify, "tokens", "create", "--tenant", "acme"], env=env, capture_output=True,
+                               text=True, check=True).stdout.strip()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            ids = {client.post("/v1/builds", json={"source": {"model": "m"}, "publish": {"name": "p", "version": str(i)}},
+                               headers={"Authorization": f"Bearer {token}"}).json()["id"] for i in range(6)}
+            listed = client.get("/v1/builds", headers={"Authorization": f"Bearer {token}"}).json()["items"]
+            assert {b["id"] for b in listed} == ids and len(ids) == 6
+            assert client.get("/readyz").json()["checks"]["database"]["ok"]
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+    finally:
+        services.stop_group(process)

@@ -1,4 +1,5 @@
-"""Server-side commands that write the job store directly: `tokens create` and `tenants set-quota|show`."""
+"""Server-side commands: `serve` (the REST API alone, N worker processes) and the ones that write the job
+store directly, `tokens create` and `tenants set-quota|show`."""
 
 from __future__ import annotations
 
@@ -85,6 +86,27 @@ def _limit(value, unit: str) -> str:
     return "no limit" + (f" on {unit}" if unit else "") if value is None else f"{value:g} {unit}".strip()
 
 
+def serve(
+    host: str = typer.Option("127.0.0.1", help="where the REST API listens"),
+    port: int = typer.Option(8000),
+    workers: int = typer.Option(1, min=1, help="uvicorn worker processes"),
+) -> None:
+    """Serve the REST API without a scheduler (e.g. replicas behind a proxy, next to `elastify up`).
+
+    Settings come from the environment (ELASTIFY_DATABASE_URL, ELASTIFY_STORE_URL, …), as for `up`.
+    """
+    import uvicorn
+
+    from api.progress import configure_logging
+
+    configure_logging()
+    _sessions()  # migrate once, before the workers start
+    console.print(f"REST API on http://{host}:{port} with {workers} worker(s); Ctrl-C stops")
+    uvicorn.run("api.app:app_from_env", factory=True, host=host, port=port, workers=workers, access_log=False,
+                log_level="warning")
+
+
 def mount(app: typer.Typer) -> None:
+    app.command("serve")(serve)
     app.add_typer(tokens_app, name="tokens")
     app.add_typer(tenants_app, name="tenants")
