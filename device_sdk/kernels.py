@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 from device_sdk.elastic import ElasticLinear, UnitAxis
+from device_sdk.llama import PROJECTIONS  # in decoder.h's slot order
 
 WEIGHT_FORMATS = ("fp32", "fp16", "int8")
 SOURCE = Path(__file__).parent / "csrc" / "elastic_linear.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # decoder.h's slots
 
 _build_lock = threading.Lock()
 _native_module = None

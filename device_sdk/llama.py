@@ -20,6 +20,7 @@ from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.package import Architecture
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # of each block
 
 
 class RMSNorm(nn.Module):
@@ -185,7 +186,7 @@ class Block(nn.Module):
 
     def projection(self, name: str) -> Projection:
         """`q_proj` … `down_proj` of this block."""
-        return getattr(self.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else self.mlp, name)
+        return getattr(self.self_attn if name in PROJECTIONS[:4] else self.mlp, name)
 
     def forward(self, x, cos, sin, mask, cache: KVCache):
         if self.self_attn.groups:
@@ -209,7 +210,7 @@ class Transformer(nn.Module):
         # width changed.
         self.cursor = LevelCursor()
         for block in self.layers:
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            for name in PROJECTIONS:
                 block.projection(name).linear.bind_levels(self.cursor, [])
         self.decoder = None  # a kernels.NativeDecoder runs single-token steps when set
 
