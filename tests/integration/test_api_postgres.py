@@ -58,3 +58,22 @@ def test_concurrent_submissions_with_one_idempotency_key_make_one_build(live):
     responses = _post_all(url, [(spec(), {**acme, "Idempotency-Key": "once"})] * 10)
     assert sorted(r.status_code for r in responses) == [200] * 9 + [201]
     assert len({r.json()["id"] for r in responses}) == 1 and _builds(api, "acme") == 1
+
+
+def test_listing_filters_and_pages_on_postgresql(live):
+    api, url = live
+    acme = api.token("acme")
+    with httpx.Client(base_url=url, timeout=60, headers=acme) as client:
+        ids = [client.post("/v1/builds", json=spec(name=f"pkg-{i % 3}", version=str(i))).json()["id"] for i in range(8)]
+        client.post(f"/v1/builds/{ids[0]}/cancel")
+        seen, cursor = [], None
+        while True:
+            page = client.get("/v1/builds", params={"limit": 3, **({"cursor": cursor} if cursor else {})}).json()
+            seen += [b["id"] for b in page["items"]]
+            if (cursor := page["next_cursor"]) is None:
+                break
+        assert seen == ids[::-1]
+        named = client.get("/v1/builds", params={"name": "pkg-1"}).json()["items"]
+        assert [b["id"] for b in named] == [ids[7], ids[4], ids[1]]
+        cancelled = client.get("/v1/builds", params={"status": "cancelled"}).json()["items"]
+        assert [b["id"] for b in cancelled] == [ids[0]]
