@@ -45,6 +45,40 @@ def tokens_create(
     print(token)  # stdout, for scripts
 
 
+@tokens_app.command("list")
+def tokens_list(tenant: str | None = typer.Option(None, help="only this tenant's tokens")) -> None:
+    """Every token's id, tenant, label, role and dates (never the token: only its hash is kept)."""
+    from sqlalchemy import select
+
+    from cluster.models import ApiToken
+
+    table = Table(title="API tokens")
+    for column in ("id", "tenant", "name", "admin", "created", "revoked"):
+        table.add_column(column, justify="right")
+    query = select(ApiToken).order_by(ApiToken.id)
+    if tenant is not None:
+        query = query.where(ApiToken.tenant_id == tenant)
+    with _sessions()() as session:
+        for row in session.scalars(query):
+            table.add_row(str(row.id), row.tenant_id, row.name, "yes" if row.is_admin else "",
+                          f"{row.created_at:%Y-%m-%d %H:%M}", f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "")
+    console.print(table)
+
+
+@tokens_app.command("revoke")
+def tokens_revoke(token_id: int = typer.Argument(..., help="the id `tokens list` shows")) -> None:
+    """Revoke a token: from now on it gets 401."""
+    from cluster.models import ApiToken, utcnow
+
+    with _sessions().begin() as session:
+        row = session.get(ApiToken, token_id)
+        if row is None:
+            fail(f"no token with id {token_id}")
+        if row.revoked_at is None:
+            row.revoked_at = utcnow()
+    console.print(f"token {token_id} of tenant {row.tenant_id} revoked")
+
+
 @tenants_app.command("set-quota")
 def tenants_set_quota(
     tenant: str = typer.Argument(...),

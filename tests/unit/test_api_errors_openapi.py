@@ -12,7 +12,7 @@ from sqlalchemy import select
 from typer.testing import CliRunner
 
 from api.app import create_app
-from cluster.models import Tenant
+from cluster.models import ApiToken, Tenant
 from tests.api_support import finish_build, spec
 
 
@@ -134,6 +134,13 @@ def test_tokens_and_quota_commands(api, monkeypatch):
     with api.sessions() as session:
         row = session.scalar(select(Tenant).where(Tenant.id == "newco"))
         assert (row.gpu_hours_per_month, row.max_concurrent_builds) == (5.0, 1)
+    listed = runner.invoke(cli, ["tokens", "list", "--tenant", "newco"])
+    assert listed.exit_code == 0 and "newco" in listed.output and token not in listed.output
+    with api.sessions() as session:
+        token_id = session.scalar(select(ApiToken.id).where(ApiToken.tenant_id == "newco"))
+    assert runner.invoke(cli, ["tokens", "revoke", str(token_id)]).exit_code == 0
+    assert TestClient(api.app).get("/v1/builds", headers={"Authorization": f"Bearer {token}"}).status_code == 401
+    assert runner.invoke(cli, ["tokens", "revoke", "999"]).exit_code == 2
     bad = runner.invoke(cli, ["tokens", "create", "--tenant", "../etc"])
     assert bad.exit_code == 2 and "must match" in bad.output
     assert runner.invoke(cli, ["tenants", "set-quota", "newco"]).exit_code == 2
