@@ -30,7 +30,7 @@ from common import print_table
 
 from device_sdk.package import read_manifest
 from pipeline.clone_collect import Collector, CollectSettings
-from pipeline.clone_search import SearchSettings, best_feasible, install_profiles, search
+from pipeline.clone_search import SearchSettings, install_profiles, search
 from pipeline.stage import StageContext
 
 BUDGETS = [{"name": "fast", "latency": 0.75, "energy": 0.75}, {"name": "frugal", "latency": 0.6, "energy": 0.6}]
@@ -140,7 +140,7 @@ def collect_in_process(package: Path, own: dict, shards: int, out: Path, ctx: St
 
 @torch.inference_mode()
 def uniform_at(collector: Collector, latency_ms: float, energy_j: float | None) -> dict:
-    """The widest uniform keep ratio (non-anchor layers) whose predicted latency (and energy) fit."""
+    """The widest uniform keep ratio (non-anchor layers) whose predicted latency (and energy) are no more."""
     from pipeline.elastify import ElastifySettings, layer_widths
     from pipeline.lm import perplexity
 
@@ -165,7 +165,8 @@ def uniform_at(collector: Collector, latency_ms: float, energy_j: float | None) 
     collector.model.set_widths(attn, mlp)
     ppl = perplexity(collector.model, collector.windows, collector.settings.batch_size)
     cost = collector.price(attn, mlp)
-    return {"ratio": low, "ppl": ppl, "latency_ms": cost.latency_ms, "energy_j": cost.energy_j}
+    return {"ratio": low, "ppl": ppl, "latency_ms": cost.latency_ms, "energy_j": cost.energy_j, "attn_units": attn,
+            "mlp_units": mlp}
 
 
 # --------------------------------------------------------------------------- experts
@@ -260,20 +261,18 @@ def main() -> None:
     collector = Collector(package, CollectSettings(**own))
     rows, summary = [], {}
     for name, entry in found["clone"]["profiles"].items():
-        budget = found["clone"]["profiles"][name]["budget"]
-        searched = found["search"][name]["best_searched"]
-        collected = best_feasible([r for r in found["records"] if r["origin"] != "search"], budget)
-        uniform = uniform_at(collector, searched["latency_ms"] if searched else entry["latency_ms"], budget["energy_j"])
-        for label, row in (("searched (CLONE)", searched), ("best uniform width, same latency", uniform),
+        budget = entry["budget"]
+        searched = found["search"][name]["best_searched"]  # best score among the search's candidates
+        collected = found["search"][name]["best_collected"]  # best score among the collected records
+        uniform = uniform_at(collector, searched["latency_ms"], searched["energy_j"])
+        uniform["scores"] = collector.scores(uniform["ppl"], collector.price(uniform["attn_units"], uniform["mlp_units"]))
+        for label, row in (("searched (CLONE)", searched), ("uniform width, same latency", uniform),
                            ("best collected record", collected)):
-            if row is None:
-                rows.append([name, label, "none fits", "", "", ""])
-                continue
-            rows.append([name, label, f"{row['ppl']:.2f}", f"{row['latency_ms']:.1f}", f"{row['energy_j']:.3f}",
-                         f"{budget['latency_ms']:.1f} / {budget['energy_j']:.3f}"])
+            rows.append([name, label, f"{row['ppl']:.1f}", f"{row['latency_ms']:.0f}", f"{row['energy_j']:.2f}",
+                         f"{1000 * row['scores'][name]:.3f}", f"{budget['latency_ms']:.0f} / {budget['energy_j']:.2f}"])
         summary[name] = {"searched": searched, "uniform": uniform, "collected": collected, "profile": entry}
     print_table("CLONE profiles on SmolLM2 (held-out PTB perplexity; cost-model latency and energy per request)",
-                ["budget", "configuration", "ppl", "latency ms", "energy J", "budget ms / J"], rows)
+                ["budget", "configuration", "ppl", "latency ms", "energy J", "score ×1000", "budget ms / J"], rows)
     if timing:
         one, two = timing
         print_table(f"clone-collect, {args.samples} vectors in {args.shards} shards (load avg {load:.1f} at start)",

@@ -11,8 +11,8 @@ a bin (a denoising augmentation: the decoder must still rebuild the clean vector
 Search, per budget: from the top-k records, step the encoder states along the gradient of the
 predicted score with increasing step sizes, decode each moved embedding by beam search, until N
 new vectors exist; measure each of them for real (same model, text and cost model as the
-collection) and keep, as the budget's profile, the configuration with the lowest perplexity among
-those whose predicted latency and energy fit the budget.
+collection) and keep, as the budget's profile, the measured configuration with the highest score
+(`strict`: the lowest perplexity among those whose predicted latency and energy fit the budget).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ class SearchSettings:
     step_size: float = 0.05  # λ = step_size · 1, 2, 3, … (per-layer state norms) until N candidates exist
     max_steps: int = 30
     beam_width: int = 5
+    # False: the profile is the best CLONE score, so it may overrun its budget by as much as the score's
+    # (T/t)^β·(E/e)^α penalty allows. True: only configurations within the budget qualify.
+    strict: bool = False
     seed: int = 0
 
     def validate(self) -> None:
@@ -215,6 +218,13 @@ def best_feasible(records: list[dict], budget: dict) -> dict | None:
     return min(fitting, key=lambda r: r["ppl"]) if fitting else None
 
 
+def best_record(records: list[dict], name: str, budget: dict, strict: bool) -> dict | None:
+    """The budget's best: highest CLONE score, or (strict) lowest perplexity within the budget."""
+    if strict:
+        return best_feasible(records, budget)
+    return max(records, key=lambda r: r["scores"][name], default=None)
+
+
 def one_thread(fn, *args):
     """Run `fn` on one torch thread: the controller's small recurrent ops lose far more to thread
     hand-offs than they gain (5x slower on 2 threads of a busy 2-core host)."""
@@ -245,10 +255,10 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
                           for v in ctx.track(vectors, f"clone-search {name}: measure candidates")]
         known |= {tuple(v) for v in vectors}
         records += candidates
-        best_searched, best_collected = best_feasible(candidates, budget), best_feasible(
-            [r for r in records if r["origin"] != "search"], budget)
-        chosen = min((r for r in (best_searched, best_collected) if r is not None), key=lambda r: r["ppl"],
-                     default=None)
+        best_searched = best_record(candidates, name, budget, settings.strict)
+        best_collected = best_record([r for r in records if r["origin"] != "search"], name, budget, settings.strict)
+        chosen = best_record([r for r in (best_searched, best_collected) if r is not None], name, budget,
+                             settings.strict)
         if chosen is None:
             raise CloneError(
                 f"budget {name!r} ({budget['latency_ms']} ms, {budget['energy_j']} J per request) was met by none "
