@@ -183,11 +183,12 @@ def choice_scores_sdk(model, prompt: str, choices: list[str]) -> torch.Tensor:
                         for i, c in enumerate(continuations)])
 
 
-def experts_bench(package: Path, out: Path, steps: int, per_task: int, ctx: StageContext) -> tuple[dict, dict]:
+def experts_bench(package: Path, out: Path, steps: int, batch_size: int, per_task: int,
+                  ctx: StageContext) -> tuple[dict, dict]:
     from device_sdk.runtime import ElasticModel
     from pipeline.experts import ExpertSettings, build_experts, expert_name, install_experts, split_task
 
-    settings = ExpertSettings(steps=steps, held_out=32)
+    settings = ExpertSettings(steps=steps, batch_size=batch_size, seq_len=128, held_out=32)
     experts_dir = out / "experts"
     report = build_experts(package, settings, experts_dir, ctx)
     copy = out / "package-experts"
@@ -215,29 +216,8 @@ def experts_bench(package: Path, out: Path, steps: int, per_task: int, ctx: Stag
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "elastify-bench-clone")
-    parser.add_argument("--reuse", action="store_true", help="reuse the package of a previous run")
-    parser.add_argument("--samples", type=int, default=96)
-    parser.add_argument("--shards", type=int, default=4)
-    parser.add_argument("--windows", type=int, default=4)
-    parser.add_argument("--window-length", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=200)
-    parser.add_argument("--candidates", type=int, default=40)
-    parser.add_argument("--beam-width", type=int, default=5)
-    parser.add_argument("--expert-steps", type=int, default=40)
-    parser.add_argument("--expert-items", type=int, default=8, help="held-out items per task for the mixing table")
-    parser.add_argument("--skip-ray", action="store_true", help="collect in this process, no 1-vs-2 worker timing")
-    parser.add_argument("--skip-experts", action="store_true")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads outside the Ray workers")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    ctx = log_ctx(args.out)
-    started = time.time()
-
-    package = prepare(args.out, args.reuse, ctx)
+def clone_tables(args, package: Path, ctx: StageContext) -> dict:
+    """Collection (1 vs 2 Ray workers), search, and the profile comparison table."""
     own = {"budgets": BUDGETS, "samples": args.samples, "windows": args.windows, "window_length": args.window_length,
            "seed": 0}
     load = os.getloadavg()[0]
@@ -280,8 +260,42 @@ def main() -> None:
                     [[1, f"{one:.1f}", "1.00×", ""], [2, f"{two:.1f}", f"{one / two:.2f}×", "≥ 1.7×"]])
         summary["collection"] = {"one_worker_s": one, "two_workers_s": two, "speedup": one / two, "load": load}
 
+    copy = args.out / "package-profiles"
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(package, copy)
+    install_profiles(copy, args.out / "profiles.json")  # the profiles validate as a manifest section
+    return summary
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "elastify-bench-clone")
+    parser.add_argument("--reuse", action="store_true", help="reuse the package of a previous run")
+    parser.add_argument("--samples", type=int, default=96)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--window-length", type=int, default=128)
+    parser.add_argument("--epochs", type=int, default=200)
+    parser.add_argument("--candidates", type=int, default=40)
+    parser.add_argument("--beam-width", type=int, default=5)
+    parser.add_argument("--expert-steps", type=int, default=40)
+    parser.add_argument("--expert-batch", type=int, default=4)
+    parser.add_argument("--skip-clone", action="store_true", help="only the experts part")
+    parser.add_argument("--expert-items", type=int, default=8, help="held-out items per task for the mixing table")
+    parser.add_argument("--skip-ray", action="store_true", help="collect in this process, no 1-vs-2 worker timing")
+    parser.add_argument("--skip-experts", action="store_true")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads outside the Ray workers")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = log_ctx(args.out)
+    started = time.time()
+
+    package = prepare(args.out, args.reuse, ctx)
+    summary = {} if args.skip_clone else clone_tables(args, package, ctx)
     if not args.skip_experts:
-        report, mixing = experts_bench(package, args.out, args.expert_steps, args.expert_items, ctx)
+        report, mixing = experts_bench(package, args.out, args.expert_steps, args.expert_batch, args.expert_items, ctx)
         accuracy = report["router_accuracy"]
         print_table("Expert routing on held-out prompts (MiniLM centroids, 64 training prompts per task)",
                     ["task", "routed to its expert"], [[k, f"{v:.3f}"] for k, v in accuracy.items()])
@@ -290,10 +304,6 @@ def main() -> None:
                     [[mode, f"{r['accuracy']:.3f}", f"{r['gold_nll']:.3f}", r["items"]] for mode, r in mixing.items()])
         summary["experts"] = {"router_accuracy": accuracy, "mixing": mixing, "training": report["training"]}
 
-    copy = args.out / "package-profiles"
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(package, copy)
-    install_profiles(copy, args.out / "profiles.json")  # the profiles validate as a manifest section
     summary["seconds"] = time.time() - started
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"total {summary['seconds']:.0f} s; results in {args.out}", flush=True)
