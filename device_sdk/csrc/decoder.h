@@ -316,20 +316,20 @@ class Decoder {
     std::copy_n(k_.data() + g * hd, hd, key_rows + position * hd);
     std::copy_n(v_.data() + g * hd, hd, value_rows + position * hd);
     const int64_t first = window_ > 0 ? std::max<int64_t>(0, position - window_ + 1) : 0;
+    const int64_t count = position + 1 - first;
     const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
     for (int64_t r = 0; r < n_rep_; ++r) {
       float* q = q_.data() + (g * n_rep_ + r) * hd;
       rope(q);
+      // The cached keys and values are row-major [count, hd]: scores are a row GEMV, the
+      // output a column GEMV (its accumulators stay in registers across keys).
+      gemv_rows(q, key_rows + first * hd, hd, 0, count, scores);
       float top = -INFINITY;
-      for (int64_t s = first; s <= position; ++s) {
-        scores[s] = dot(q, key_rows + s * hd, hd) * scale;
-        top = std::max(top, scores[s]);
-      }
+      for (int64_t s = 0; s < count; ++s) top = std::max(top, scores[s] *= scale);
       float total = 0;
-      for (int64_t s = first; s <= position; ++s) total += (scores[s] = std::exp(scores[s] - top));
-      float* out = attention_.data() + (g * n_rep_ + r) * hd;
-      std::fill_n(out, hd, 0.0f);
-      for (int64_t s = first; s <= position; ++s) axpy(scores[s] / total, value_rows + s * hd, out, hd);
+      for (int64_t s = 0; s < count; ++s) total += (scores[s] = std::exp(scores[s] - top));
+      for (int64_t s = 0; s < count; ++s) scores[s] /= total;
+      gemv_columns(scores, value_rows + first * hd, hd, count, 0, hd, attention_.data() + (g * n_rep_ + r) * hd);
     }
   }
 
