@@ -16,3 +16,7 @@ client.mount(app)
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":  # python -m api.cli, same as the `elastify` script
+    main()
