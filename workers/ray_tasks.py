@@ -15,9 +15,13 @@ def _event_sender(events, task: StageTask):
     def emit(event: dict) -> None:
         if events is None:
             return
+        # Fire and forget on the queue's actor. `Queue.put_nowait` would ray.get() the call, and a
+        # task blocked in ray.get lends its CPU to the next queued task: two shards would then run
+        # on one CPU. Events are best effort (a full queue or a gone scheduler drops them); results are not.
         try:
-            events.put_nowait({**event, "build_id": task.build_id, "stage_id": task.stage_id, "attempt": task.attempt})
-        except Exception:  # queue full or its owner died: events are best effort, results are not
+            events.actor.put_nowait.remote(
+                {**event, "build_id": task.build_id, "stage_id": task.stage_id, "attempt": task.attempt})
+        except Exception:
             pass
 
     return emit

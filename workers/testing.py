@@ -39,7 +39,7 @@ def sleep(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[st
     """Sleep `seconds`, ticking the journal every `tick` s; records its pid in `pid_file` first.
 
     With `only_first_time`, a run that finds `pid_file` already there returns at once (used to
-    let a killed attempt's retry finish quickly).
+    let a killed attempt's retry finish quickly). With `chatty`, it logs every tick.
     """
     pid_file = Path(settings["pid_file"]) if settings.get("pid_file") else None
     quick = settings.get("only_first_time") and pid_file is not None and pid_file.exists()
@@ -53,6 +53,8 @@ def sleep(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[st
     while True:
         _journal(settings, "tick")
         ctx.report("sleep", min(step, total), total)
+        if settings.get("chatty"):  # a log event every tick (progress events are throttled)
+            ctx.logger.info("tick %d", step)
         if time.monotonic() >= deadline:
             break
         time.sleep(min(float(settings.get("tick", 0.1)), max(0.0, deadline - time.monotonic())))

@@ -205,3 +205,24 @@ def test_store_down_is_retried_then_fails_clearly_without_losing_rows(tmp_path, 
         retries = session.scalar(select(func.count()).where(Event.build_id == build_id, Event.message.like("retrying in%")))
         attempts = session.scalar(select(func.count()).select_from(Attempt))
     assert retries == 2 and attempts == 3
+
+
+def test_a_stage_that_reports_progress_keeps_its_cpus_to_itself(tmp_path, scheduler_for):
+    """Two shards that each need both CPUs of the head run one after the other, never together.
+
+    A worker that blocked on Ray while sending an event would lend its CPUs to the next shard.
+    """
+    registry = chain_registry("workers.testing:sleep", resources=Resources(num_cpus=2), fan_out=True)
+    scheduler = scheduler_for(registry)
+    journal = tmp_path / "journal"
+    own = {"journal": str(journal), "seconds": 3.0, "tick": 0.01, "chatty": True}
+    spec = spec_for({"first": {"seconds": 0}, "second": own}, levels=(0.5, 1.0))
+    build_id = submit_build(scheduler.sessions, spec, registry)
+    scheduler.run_until_done([build_id], timeout=120)
+    assert scheduler.status(build_id) == "succeeded"
+    spans = {}
+    for line in journal_lines(journal):
+        first, last = spans.get(line["key"], (line["t"], line["t"]))
+        spans[line["key"]] = (min(first, line["t"]), max(last, line["t"]))
+    (a_start, a_end), (b_start, b_end) = sorted(spans[key] for key in ("|0.5", "|1.0"))
+    assert b_start >= a_end, f"shards overlapped: {spans}"
