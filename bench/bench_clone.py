@@ -216,6 +216,14 @@ def experts_bench(package: Path, out: Path, steps: int, batch_size: int, per_tas
 # --------------------------------------------------------------------------- main
 
 
+def collection_table(args, timing: tuple[float, float], load: float) -> dict:
+    one, two = timing
+    print_table(f"clone-collect, {args.samples} vectors in {args.shards} shards (load avg {load:.1f} at start)",
+                ["Ray workers", "seconds", "speed-up vs 1 worker", "goal"],
+                [[1, f"{one:.1f}", "1.00×", ""], [2, f"{two:.1f}", f"{one / two:.2f}×", "≥ 1.7×"]])
+    return {"one_worker_s": one, "two_workers_s": two, "speedup": one / two, "load": load}
+
+
 def clone_tables(args, package: Path, ctx: StageContext) -> dict:
     """Collection (1 vs 2 Ray workers), search, and the profile comparison table."""
     own = {"budgets": BUDGETS, "samples": args.samples, "windows": args.windows, "window_length": args.window_length,
@@ -235,6 +243,8 @@ def clone_tables(args, package: Path, ctx: StageContext) -> dict:
         timing_file.write_text(json.dumps({"own": own, "paths": [str(p) for p in paths], "timing": timing,
                                            "load": load}))
 
+    if args.only_collection:
+        return {"collection": collection_table(args, timing, load)} if timing else {}
     found = search(package, paths, SearchSettings(epochs=args.epochs, candidates=args.candidates,
                                                   beam_width=args.beam_width), ctx)
     (args.out / "profiles.json").write_text(json.dumps(found, indent=1))
@@ -254,11 +264,7 @@ def clone_tables(args, package: Path, ctx: StageContext) -> dict:
     print_table("CLONE profiles on SmolLM2 (held-out PTB perplexity; cost-model latency and energy per request)",
                 ["budget", "configuration", "ppl", "latency ms", "energy J", "score ×1000", "budget ms / J"], rows)
     if timing:
-        one, two = timing
-        print_table(f"clone-collect, {args.samples} vectors in {args.shards} shards (load avg {load:.1f} at start)",
-                    ["Ray workers", "seconds", "speed-up vs 1 worker", "goal"],
-                    [[1, f"{one:.1f}", "1.00×", ""], [2, f"{two:.1f}", f"{one / two:.2f}×", "≥ 1.7×"]])
-        summary["collection"] = {"one_worker_s": one, "two_workers_s": two, "speedup": one / two, "load": load}
+        summary["collection"] = collection_table(args, timing, load)
 
     copy = args.out / "package-profiles"
     shutil.rmtree(copy, ignore_errors=True)
@@ -285,6 +291,7 @@ def main() -> None:
     parser.add_argument("--expert-items", type=int, default=8, help="held-out items per task for the mixing table")
     parser.add_argument("--skip-ray", action="store_true", help="collect in this process, no 1-vs-2 worker timing")
     parser.add_argument("--skip-experts", action="store_true")
+    parser.add_argument("--only-collection", action="store_true", help="only the 1-vs-2 Ray worker collection timing")
     parser.add_argument("--threads", type=int, default=2, help="torch threads outside the Ray workers")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -221,10 +221,12 @@ def main() -> None:
                                    StageContext(work_dir=args.out / "derive"))["labels"]
     heads = {}
     for policy, rule in (("ours", "capable"), ("lightest", "lightest")):
-        out = stage(f"tlm-decision {rule}", lambda r=rule: tlm.run_decision(
-            {"tlm": score, "labels": labels_path}, {"rule": r, "steps": args.decision_steps, "batch_size": 8},
-            StageContext(work_dir=args.out / f"decision-{r}")))
-        heads[policy] = tlm.load_tlm(out["tlm"])
+        trained = args.out / f"decision-{rule}" / "tlm"
+        if not (reuse and trained.is_dir()):
+            trained = stage(f"tlm-decision {rule}", lambda r=rule: tlm.run_decision(
+                {"tlm": score, "labels": labels_path}, {"rule": r, "steps": args.decision_steps, "batch_size": 8},
+                StageContext(work_dir=args.out / f"decision-{r}")))["tlm"]
+        heads[policy] = tlm.load_tlm(trained)
     test_shards = stage("label held-out", lambda: sweep("label-test", 300, args.test_items))
     keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
     correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])

@@ -78,7 +78,7 @@ def test_openapi_documents_every_error_as_a_problem_with_an_example(client):
     assert {"200", "206", "307", "416"} <= set(download["responses"])
 
 
-def test_health_readiness_and_signing_key(api, tmp_path):
+def test_health_readiness_and_signing_key(api, tmp_path, monkeypatch):
     client = TestClient(api.app)
     assert client.get("/healthz").json() == {"status": "ok"}
     assert client.get("/readyz").json()["status"] == "ready"
@@ -93,7 +93,9 @@ def test_health_readiness_and_signing_key(api, tmp_path):
     not_ready = client.get("/readyz")
     assert not_ready.status_code == 503
     assert not_ready.json()["checks"]["store"] == {"ok": False, "detail": "ConnectionError: store unreachable"}
-    # The default checks include Ray, which this process has not joined.
+    # The default checks include Ray, which this process has not joined (the integration tests
+    # in the same session may have: pretend otherwise).
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
     default = TestClient(create_app(api.settings))
     checks = default.get("/readyz").json()["checks"]
     assert checks["database"]["ok"] and checks["store"]["ok"] and not checks["ray"]["ok"]
@@ -160,9 +162,11 @@ def test_the_documents_examples_are_valid_instances_of_their_models(client):
             model.model_validate(example)
 
 
-def test_readiness_of_an_api_process_that_has_not_joined_ray_checks_the_cluster_address(api):
+def test_readiness_of_an_api_process_that_has_not_joined_ray_checks_the_cluster_address(api, monkeypatch):
     import dataclasses
     import socket
+
+    monkeypatch.setattr("ray.is_initialized", lambda: False)  # as if the integration tests had not joined Ray
 
     with socket.socket() as listening:
         listening.bind(("127.0.0.1", 0))
