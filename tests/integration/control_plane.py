@@ -41,6 +41,26 @@ def spec_for(settings_by_stage: dict | None = None, cache: bool = True, levels=(
                        "publish": {"name": name, "version": "1"}})
 
 
+def small_elastic_spec(model_dir: Path, name: str, aliases: list[str]) -> dict:
+    """A cheap real build of `model_dir`: profile → elastify → evaluate → publish, levels 0.5 and 1.0.
+
+    The ElastiLM stages are off; tests/integration/test_elastilm_chain.py runs them.
+    """
+    from cluster.stages import ELASTILM_STAGES
+
+    return {
+        "source": {"model": str(model_dir)},
+        "levels": [0.5, 1.0],
+        "stages": {
+            "profile": {"settings": {"windows": 2, "window_length": 32, "layer_method": "block_influence"}},
+            "evaluate": {"settings": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": [],
+                                      "measure_latency": False}},
+            **{stage: {"enabled": False} for stage in ELASTILM_STAGES},
+        },
+        "publish": {"name": name, "version": "0.0.1", "aliases": aliases},
+    }
+
+
 def started(settings: Settings, registry: Registry) -> Scheduler:
     return Scheduler(settings, registry).start()
 

@@ -12,11 +12,11 @@ import pytest
 from api.app import ServerThread, create_app
 from api.auth import create_token
 from cluster.packages import alias_key
-from cluster.stages import ELASTILM_STAGES, builtin_registry
+from cluster.stages import builtin_registry
 from device_sdk.package import MANIFEST, verify_package
 from tests.api_support import sse_events
 from tests.integration import services
-from tests.integration.control_plane import make_settings, started
+from tests.integration.control_plane import make_settings, small_elastic_spec, started
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,18 +48,7 @@ def test_smollm2_build_end_to_end_through_the_api(tmp_path, smollm2_dir, pg_url,
     app = create_app(settings, registry)
     token = create_token(app.state.sessions, "acme")
     auth = {"Authorization": f"Bearer {token}"}
-    spec = {
-        "source": {"model": str(smollm2_dir)},
-        "levels": [0.5, 1.0],
-        "stages": {
-            "profile": {"settings": {"windows": 2, "window_length": 32, "layer_method": "block_influence"}},
-            "evaluate": {"settings": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": [],
-                                      "measure_latency": False}},
-            # The ElastiLM chain has its own test (test_elastilm_chain.py); this one is about the API.
-            **{name: {"enabled": False} for name in ELASTILM_STAGES},
-        },
-        "publish": {"name": "smollm2-api", "version": "0.0.1", "aliases": ["latest"]},
-    }
+    spec = small_elastic_spec(smollm2_dir, "smollm2-api", ["latest"])
     try:
         with ServerThread(app, port=services.free_port()) as server, \
                 httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=600)) as client:

@@ -12,9 +12,9 @@ from cluster.models import Alias, Package
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
-from cluster.stages import ELASTILM_STAGES, builtin_registry
+from cluster.stages import builtin_registry
 from device_sdk.package import verify_package
-from tests.integration.control_plane import make_settings, started
+from tests.integration.control_plane import make_settings, small_elastic_spec, started
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -22,17 +22,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 def test_smollm2_build_publishes_a_signed_verified_package(tmp_path, smollm2_dir, pg_url, s3_store, ray_cluster):
     settings = make_settings(tmp_path, pg_url, s3_store, lease_seconds=30.0)
     registry = builtin_registry()
-    spec = parse_spec({
-        "source": {"model": str(smollm2_dir)},
-        "levels": [0.5, 1.0],
-        "stages": {
-            "profile": {"settings": {"windows": 2, "window_length": 32, "layer_method": "block_influence"}},
-            "evaluate": {"settings": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": [],
-                                      "measure_latency": False}},
-            **{name: {"enabled": False} for name in ELASTILM_STAGES},
-        },
-        "publish": {"name": "smollm2-test", "version": "0.0.1", "aliases": ["latest", "stable"]},
-    })
+    spec = parse_spec(small_elastic_spec(smollm2_dir, "smollm2-test", ["latest", "stable"]))
     scheduler = started(settings, registry)
     try:
         build_id = submit_build(scheduler.sessions, spec, registry)
