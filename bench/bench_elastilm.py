@@ -105,9 +105,11 @@ def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
             attach_level_adapters(model, package)
             set_level_with_adapter(model, level)
             for module in model.elastic_linears():  # ... and materialise the level's own copy
-                module.storage = torch.nn.Parameter(module.active_weight.clone(), requires_grad=False)
-                module.max_units = module.units
-                module.set_width(module.units)
+                units, copy = module.units, module.active_weight.clone()
+                module.cursor, module.level_widths = None, []  # a standalone layer, no longer following levels
+                module.storage = torch.nn.Parameter(copy, requires_grad=False)
+                module.max_units = units
+                module.set_width(units)
             label.answer_correct(model, worker.tokenizer, items[i], question)
             points += 1
     rematerialise = points / (time.perf_counter() - start)
