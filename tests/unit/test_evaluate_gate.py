@@ -28,6 +28,16 @@ def test_evaluate_gate_fails_a_narrow_level_that_beats_a_wide_one_with_a_clear_m
     assert gate_failures(card(30.0, 20.0, acc_half=0.50), 0.02, accuracy_noise=0.01)
 
 
+def test_evaluate_gate_compares_adapted_levels_with_adapted_levels_only():
+    adapted = card(15.0, 20.0)
+    adapted["levels"]["0.5"]["adapted"] = True  # recovered on the evaluation's domain; 1.0 is the source model
+    check_gate(adapted)
+    adapted["levels"]["0.7"] = {"ppl:ptb:test": 18.0, "accuracy": 0.45, "adapted": True}
+    with pytest.raises(PublishGateError, match=r"level 0.5 has ppl:ptb:test 15.000, better than wider level 0.7"):
+        check_gate(adapted)
+    assert issubclass(PublishGateError, ValueError)  # permanent: workers do not retry it
+
+
 def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
     import json
 
@@ -44,6 +54,7 @@ def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
     out = evaluate.run_card({"package": package}, settings, quiet_context(tmp_path / "card"))
     card = json.loads(out["report_card"].read_text())
     assert set(card["levels"]) == {"0.5", "1.0"}
+    assert all(row["adapted"] for row in card["levels"].values())  # the helper adapts every level
     for row in card["levels"].values():
         assert row[f"ppl:{calib_text}"] > 1 and 0 <= row["accuracy"] <= 1
         assert row["measured_ttft_ms"] > 0 and row["measured_tpot_ms"] > 0
