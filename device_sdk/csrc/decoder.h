@@ -10,6 +10,9 @@
 // OpenMP region for the whole token: each GEMV splits its output rows (or, for the
 // transposed o/down storage, its output columns) between them, with a barrier between ops;
 // RMSNorm is cheap enough that every thread computes its own copy instead of waiting.
+// The barriers are our own spinning ones (SpinBarrier): a token has ~150 of them, and the
+// OpenMP barrier under OMP_WAIT_POLICY=PASSIVE (which the SDK sets) puts waiting threads to
+// sleep, whose wake-up cost ate most of the second thread's gain.
 
 #pragma once
 
@@ -17,7 +20,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <thread>
 #include <vector>
 
 #include "simd.h"
@@ -76,10 +81,12 @@ struct Projection {
     finish(y, begin, end, t);
   }
 
-  // Column units: y[n] for outputs [begin, end), over the first `active` stored rows (inputs).
-  void columns(const float* x, int64_t active, float* y, int64_t begin, int64_t end, const float* t) const {
-    with_weights([&](auto* w) { gemv_columns(x, w, cols(), active, begin, end, y); });
-    finish(y, begin, end, t);
+  // Column units, one run [k_begin, k_end) of the active stored rows (inputs): partial[n] =
+  // Σ_k x[k]·W[k, n] over every output n, before `finish`.
+  void column_partial(const float* x, int64_t k_begin, int64_t k_end, float* partial) const {
+    with_weights([&](auto* w) {
+      gemv_columns(x + k_begin, w + k_begin * cols(), cols(), k_end - k_begin, 0, cols(), partial);
+    });
   }
 
   void check_lora(int64_t in_active, int64_t out_active, const char* name) const {
@@ -102,6 +109,32 @@ inline std::pair<int64_t, int64_t> split(int64_t n, int64_t parts, int64_t index
   const int64_t chunk = ((n + parts - 1) / parts + align - 1) / align * align;
   return {std::min(n, index * chunk), std::min(n, (index + 1) * chunk)};
 }
+
+// A reusable barrier for one OpenMP team. Waiting threads spin (a barrier is a few
+// microseconds apart from the next), then yield the core after ~100 µs so that a thread
+// descheduled on a busy device does not leave the others burning it.
+class SpinBarrier {
+ public:
+  void wait(int64_t team) {
+    if (team == 1) return;
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int64_t spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
+      if (spins < kSpins)
+        _mm_pause();
+      else
+        std::this_thread::yield();
+    }
+  }
+
+ private:
+  static constexpr int64_t kSpins = 20000;
+  std::atomic<int64_t> arrived_{0}, generation_{0};
+};
 
 class Decoder {
  public:
@@ -186,6 +219,7 @@ class Decoder {
     activation_.resize(max_neurons_);
     up_.resize(max_neurons_);
     update_.resize(hidden_);
+    partial_.resize((std::max(max_q_, max_neurons_) + kColumnChunk - 1) / kColumnChunk * hidden_);
     read_embedding(token);
     rope_angles(position);
     const int64_t vocab = lm_head_.storage.size(0);
@@ -211,7 +245,7 @@ class Decoder {
           if (p[V].has_lora()) p[V].lora_down(h.data(), tv);
           // q, k and v rows as one list of 16-row blocks, shared out between the threads.
           const int64_t q_blocks = (q_rows + 15) / 16, kv_blocks = (kv_rows + 15) / 16;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
           for (int64_t b = 0; b < q_blocks + 2 * kv_blocks; ++b) {
             if (b < q_blocks) {
               p[Q].rows(h.data(), q_.data(), b * 16, std::min(q_rows, b * 16 + 16), tq);
@@ -224,23 +258,20 @@ class Decoder {
                 p[V].rows(h.data(), v_.data(), first, last, tv);
             }
           }
-#pragma omp for schedule(static)
+          barrier_.wait(team);
+#pragma omp for schedule(static) nowait
           for (int64_t g = 0; g < layer.groups; ++g) attend(i, g, position, keys, values, scores.data());
+          barrier_.wait(team);
           // o-proj: each thread owns a run of output columns and adds them to the residual.
           if (p[O].has_lora()) p[O].lora_down(attention_.data(), tq);
-#pragma omp for schedule(static)
-          for (int64_t part = 0; part < team; ++part) {
-            const auto [begin, end] = split(hidden_, team, part, 16);
-            p[O].columns(attention_.data(), q_rows, update_.data(), begin, end, tq);
-            for (int64_t n = begin; n < end; ++n) x_[n] += update_[n];
-          }
+          add_columns(p[O], attention_.data(), q_rows, tq, team);
         }
         if (layer.neurons > 0) {
           const int64_t neurons = layer.neurons;
           rms_norm(layer.mlp_norm, h.data());
           if (p[GATE].has_lora()) p[GATE].lora_down(h.data(), tq);
           if (p[UP].has_lora()) p[UP].lora_down(h.data(), tk);
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
           for (int64_t b = 0; b < (neurons + 15) / 16; ++b) {
             const int64_t first = b * 16, last = std::min(neurons, first + 16);
             p[GATE].rows(h.data(), activation_.data(), first, last, tq);
@@ -250,13 +281,9 @@ class Decoder {
               activation_[n] = gate / (1.0f + std::exp(-gate)) * up_[n];
             }
           }
+          barrier_.wait(team);
           if (p[DOWN].has_lora()) p[DOWN].lora_down(activation_.data(), tq);
-#pragma omp for schedule(static)
-          for (int64_t part = 0; part < team; ++part) {
-            const auto [begin, end] = split(hidden_, team, part, 16);
-            p[DOWN].columns(activation_.data(), neurons, update_.data(), begin, end, tq);
-            for (int64_t n = begin; n < end; ++n) x_[n] += update_[n];
-          }
+          add_columns(p[DOWN], activation_.data(), neurons, tq, team);
         }
       }
       rms_norm(final_norm_, h.data());
@@ -267,6 +294,32 @@ class Decoder {
   }
 
  private:
+  static constexpr int64_t kColumnChunk = 32;  // input rows per partial sum of o/down
+  SpinBarrier barrier_;
+
+  // x += proj(input) for a column-unit projection (o, down), called by every thread of the
+  // team. The active input rows are cut into fixed chunks, each folded into its own partial
+  // sums over all outputs; a thread takes a contiguous run of chunks, so it streams one block of
+  // the transposed storage (splitting by output columns instead gave each thread short strided
+  // pieces of every row). Then each thread adds up the chunks of its run of outputs, in chunk
+  // order: the chunks do not depend on the team size, so neither does any bit of the result.
+  void add_columns(const Projection& proj, const float* input, int64_t active, const float* lora_t, int64_t team) {
+    const int64_t thread = omp_get_thread_num(), chunks = (active + kColumnChunk - 1) / kColumnChunk;
+    const auto [first, last] = split(chunks, team, thread, 1);
+    for (int64_t c = first; c < last; ++c)
+      proj.column_partial(input, c * kColumnChunk, std::min(active, (c + 1) * kColumnChunk), partial_.data() + c * hidden_);
+    barrier_.wait(team);
+    const auto [begin, end] = split(hidden_, team, thread, 16);
+    for (int64_t n = begin; n < end; ++n) {
+      float total = 0;
+      for (int64_t c = 0; c < chunks; ++c) total += partial_[c * hidden_ + n];
+      update_[n] = total;
+    }
+    proj.finish(update_.data(), begin, end, lora_t);
+    for (int64_t n = begin; n < end; ++n) x_[n] += update_[n];
+    barrier_.wait(team);
+  }
+
   void read_embedding(int64_t token) {
     const int64_t d = hidden_;
     switch (embed_.scalar_type()) {
@@ -339,7 +392,7 @@ class Decoder {
   torch::Tensor inv_freq_, embed_, final_norm_;
   Projection lm_head_;
   std::vector<Layer> layers_;
-  std::vector<float> x_, q_, k_, v_, attention_, activation_, up_, update_, cos_, sin_;
+  std::vector<float> x_, q_, k_, v_, attention_, activation_, up_, update_, partial_, cos_, sin_;
 };
 
 }  // namespace elastic
