@@ -1,9 +1,9 @@
 """Stage `label`: self-induced labels over the (prompt ratio × level) grid (DESIGN §5.5).
 
 A worker loads one elastic model (plus every level's LoRA) once and sweeps its shard of
-multiple-choice items over the whole grid, switching levels zero-copy: for each item and
-ratio p the question is compressed once by the TLM score head, then every level m answers
-it by option log-likelihood (length-normalised). The result is a boolean correctness tensor
+multiple-choice items over the whole grid, switching levels zero-copy: for each item the
+question is compressed once per ratio p by the TLM score head, then every level m answers
+all of them in one batch by option log-likelihood (length-normalised). The result is a boolean correctness tensor
 [items, ratios, levels]. `derive_labels` then turns merged shards plus the cost model into
 per-SLO labels: among feasible pairs that answer correctly, the most capable (largest m, then
 largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
@@ -129,24 +129,60 @@ def load_items(tasks: list[str], start: int = 0, stop: int | None = None, per_ta
 # --------------------------------------------------------------------------- scoring
 
 
-@torch.no_grad()
-def choice_scores(model, tokenizer, prompt: str, choices: list[str]) -> torch.Tensor:
-    """Mean log-probability of each choice's tokens after `prompt` (one padded forward)."""
-    context = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    continuations = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
-    rows = [context + c for c in continuations]
+def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows as one [rows, longest] batch, zero-padded on the right, and its attention mask."""
     width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-    logits = model(ids, use_cache=False).logits.float().log_softmax(-1)
-    scores = []
-    for row, cont in enumerate(continuations):
-        positions = torch.arange(len(context) - 1, len(context) - 1 + len(cont))
-        scores.append(logits[row, positions, torch.tensor(cont)].mean())
-    return torch.stack(scores)
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    return ids, mask
+
+
+@torch.no_grad()
+def choice_scores(model, tokenizer, prompts: list[str], choices: list[str]) -> torch.Tensor:
+    """[prompts, choices]: the mean log-probability of each choice's tokens after each prompt.
+
+    The prompts run once, as one batch whose KV cache every choice then shares, and the LM head
+    only runs where a choice token is predicted. Choices are a few tokens against a prompt of
+    tens, so this is a fraction of the work of one full row per (prompt, choice).
+    """
+    base = model.model
+    contexts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    continuations = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
+    n_prompts, n_choices = len(contexts), len(continuations)
+    rows = torch.arange(n_prompts).repeat_interleave(n_choices)  # row = prompt * n_choices + choice
+    context_len = torch.tensor([len(c) for c in contexts])
+    cont_len = torch.tensor([len(c) for c in continuations]).repeat(n_prompts)
+
+    def log_probs(hidden: torch.Tensor, targets: list[int]) -> torch.Tensor:
+        return model.lm_head(hidden).float().log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)]
+
+    ids, mask = _right_padded(contexts)
+    out = base(input_ids=ids, attention_mask=mask, use_cache=True)
+    # Each choice's first token is predicted from its prompt's last real position ...
+    last = out.last_hidden_state[torch.arange(n_prompts), context_len - 1]
+    sums = log_probs(last[rows], [c[0] for c in continuations] * n_prompts)
+    if cont_len.max() > 1:  # ... the rest from the choice's own tokens, over the shared prompt cache
+        out.cache.reorder_cache(rows)
+        fed, fed_mask = _right_padded([c[:-1] for c in continuations] * n_prompts)
+        hidden = base(input_ids=fed, attention_mask=torch.cat([mask[rows], fed_mask], 1),
+                      position_ids=context_len[rows, None] + torch.arange(fed.shape[1]),
+                      cache=out.cache, use_cache=True).last_hidden_state
+        rest = log_probs(hidden[fed_mask.bool()], [t for _ in range(n_prompts) for c in continuations for t in c[1:]])
+        sums = sums.index_add(0, torch.repeat_interleave(torch.arange(len(rows)), cont_len - 1), rest)
+    return (sums / cont_len).view(n_prompts, n_choices)
+
+
+def answers_correct(model, tokenizer, item: MCItem, questions: list[str | None]) -> torch.Tensor:
+    """Whether the model answers `item` right when asked each of `questions` (None: as written).
+    Questions that compress to the same text are scored once."""
+    prompts = [item.prompt(q) for q in questions]
+    unique = list(dict.fromkeys(prompts))
+    right = choice_scores(model, tokenizer, unique, item.choices).argmax(1) == item.gold
+    return right[[unique.index(p) for p in prompts]]
 
 
 def answer_correct(model, tokenizer, item: MCItem, question: str | None = None) -> bool:
-    return int(choice_scores(model, tokenizer, item.prompt(question), item.choices).argmax()) == item.gold
+    return bool(answers_correct(model, tokenizer, item, [question])[0])
 
 
 # --------------------------------------------------------------------------- the sweep
@@ -200,11 +236,10 @@ class LabelWorker:
               ctx: StageContext) -> torch.Tensor:
         correct = torch.zeros(len(items), len(ratios), len(levels), dtype=torch.bool)
         for i, item in enumerate(ctx.track(items, "label: items")):
-            for r, ratio in enumerate(ratios):
-                question = self.compress(item.question, ratio, force_tokens)
-                for m, level in enumerate(levels):
-                    self.set_level(level)
-                    correct[i, r, m] = answer_correct(self.model, self.tokenizer, item, question)
+            questions = [self.compress(item.question, ratio, force_tokens) for ratio in ratios]
+            for m, level in enumerate(levels):  # one batch per level: every ratio's prompt at once
+                self.set_level(level)
+                correct[i, :, m] = answers_correct(self.model, self.tokenizer, item, questions)
         return correct
 
     def prompt_tokens(self, items: list[MCItem]) -> torch.Tensor:

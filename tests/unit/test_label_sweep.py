@@ -74,12 +74,39 @@ def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
     items = label.load_items(["arc_easy"], 0, 3)
     correct = worker.sweep(items, RATIOS, worker.levels, ["?"], quiet_context())
     assert correct.shape == (3, len(RATIOS), len(worker.levels))
-    assert len(visited) == 3 * len(RATIOS) * len(worker.levels)
+    assert len(visited) == 3 * len(worker.levels)  # one switch per (item, level): its ratios run as one batch
     assert set(visited) == set(worker.levels)
     assert len(loads) == 1  # the weights were read once, at construction
     assert {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr())
             for m in worker.model.elastic_linears()} == storages
     assert set(worker.adapted_levels) == {"0.5", "0.7"}
+
+
+def test_label_choice_scores_share_the_prompt_cache_exactly():
+    """The batched scorer (prompts of different lengths, one KV cache shared by their choices,
+    LM head only at choice tokens) equals one plain forward per (prompt, choice) row."""
+    from pipeline import label
+
+    worker = label.LabelWorker(recovered_package(), None)
+    tokenizer = worker.tokenizer
+    item = label.load_items(["arc_easy"], 0, 1)[0]
+    prompts = [item.prompt(), item.prompt("Which is a renewable resource?"), "Answer:"]
+    choices = item.choices + ["a much longer choice of several words than the others"]
+    for level in ("0.5", "1.0"):  # 0.5 runs its recovery LoRA
+        worker.set_level(level)
+        batched = label.choice_scores(worker.model, tokenizer, prompts, choices)
+        expected = torch.zeros(len(prompts), len(choices))
+        with torch.no_grad():
+            for p, prompt in enumerate(prompts):
+                context = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+                for c, choice in enumerate(choices):
+                    tokens = tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
+                    logits = worker.model(torch.tensor([context + tokens])).logits[0].log_softmax(-1)
+                    positions = torch.arange(len(context) - 1, len(context) - 1 + len(tokens))
+                    expected[p, c] = logits[positions, torch.tensor(tokens)].mean()
+        assert (batched - expected).abs().max().item() < 1e-4, level
+    right = label.answers_correct(worker.model, tokenizer, item, [None, None, "x"])
+    assert right.shape == (3,) and right[0] == right[1]
 
 
 def test_label_level_adapter_changes_the_output_of_its_level_only():
