@@ -198,9 +198,19 @@ def sample_vectors(manifest: Manifest, settings: CollectSettings) -> list[tuple[
     return vectors[: settings.samples]
 
 
-def shard_of(vectors: list, shard: int, shards: int) -> list:
-    """Every `shards`-th vector from `shard`: cheap and dear vectors spread evenly across workers."""
-    return vectors[shard::shards]
+def shard_of(vectors: list, shard: int, shards: int, cost=None) -> list:
+    """This shard's part of `vectors` ((strategy, bins) pairs), in their order. With `cost` (bins ->
+    work), dearest first, each vector goes to the shard with the least work so far, so the shards
+    finish together (a 2-worker run waits for its slowest shard); without, every `shards`-th one.
+    Every shard computes the same split."""
+    if cost is None:
+        return vectors[shard::shards]
+    work = [cost(bins) for _, bins in vectors]
+    loads, owner = [0.0] * shards, [0] * len(vectors)
+    for index in sorted(range(len(vectors)), key=lambda i: (-work[i], i)):
+        owner[index] = min(range(shards), key=lambda s: (loads[s], s))
+        loads[owner[index]] += work[index]
+    return [vector for vector, part in zip(vectors, owner, strict=True) if part == shard]
 
 
 def bins_to_widths(manifest: Manifest, bins_index: list[int], settings: CollectSettings) -> tuple[list[int], list[int]]:
@@ -325,7 +335,12 @@ def _finite(limit: float) -> float | None:
 def collect(package_dir: Path, settings: CollectSettings, ctx: StageContext, latency_report: dict | None = None) -> dict:
     """Measure this shard's slice of the vectors with one loaded model."""
     collector = Collector(package_dir, settings, latency_report)
-    vectors = shard_of(sample_vectors(collector.manifest, settings), settings.shard, settings.shards)
+    manifest = collector.manifest
+
+    def forward_flops(bins: list[int]) -> float:
+        return widths_cost(manifest, *bins_to_widths(manifest, bins, settings)).flops_per_token
+
+    vectors = shard_of(sample_vectors(manifest, settings), settings.shard, settings.shards, forward_flops)
     records = [collector.evaluate(vector, strategy)
                for strategy, vector in ctx.track(vectors, f"clone-collect shard {settings.shard}/{settings.shards}")]
     return {**collector.header(), "records": records}

@@ -8,11 +8,13 @@ dot-product attention over the encoder states rebuilds the sequence. Loss = 0.05
 0.95·reconstruction NLL, on the top records of one budget, each also fed with one layer nudged by
 a bin (a denoising augmentation: the decoder must still rebuild the clean vector).
 
-Search, per budget: from the top-k records, step the encoder states along the gradient of the
-predicted score with increasing step sizes, decode each moved embedding by beam search, until N
-new vectors exist; measure each of them for real (same model, text and cost model as the
-collection) and keep, as the budget's profile, the measured configuration with the highest score
-(`strict`: the lowest perplexity among those whose predicted latency and energy fit the budget).
+Search, per budget, in rounds as NAO does: train the controller on the records so far; from the
+top-k records, step the encoder states along the gradient of the predicted score with increasing
+step sizes, decode each moved embedding by beam search, until N new vectors exist; measure each
+of them for real (same model, text and cost model as the collection) and add them to the records,
+so the next round trains on them and may start from them. The budget's profile is the measured
+configuration with the highest score (`strict`: the lowest perplexity among those whose
+predicted latency and energy fit the budget).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class SearchSettings:
     batch_size: int = 128
     lr: float = 1e-3
     seeds: int = 20  # top-k records the gradient ascent starts from
-    candidates: int = 40  # N new vectors per budget
+    candidates: int = 40  # N new vectors per budget and round
+    rounds: int = 3  # train, generate, measure; each round learns from the last one's measurements
     step_size: float = 0.05  # λ = step_size · 1, 2, 3, … (per-layer state norms) until N candidates exist
     max_steps: int = 30
     beam_width: int = 5
@@ -51,9 +54,10 @@ class SearchSettings:
     seed: int = 0
 
     def validate(self) -> None:
-        if min(self.top_records, self.epochs, self.batch_size, self.seeds, self.candidates, self.beam_width,
-               self.max_steps) < 1:
-            raise CloneError("top_records, epochs, batch_size, seeds, candidates, beam_width and max_steps must be >= 1")
+        if min(self.top_records, self.epochs, self.batch_size, self.seeds, self.candidates, self.rounds,
+               self.beam_width, self.max_steps) < 1:
+            raise CloneError("top_records, epochs, batch_size, seeds, candidates, rounds, beam_width and max_steps "
+                             "must be >= 1")
         if self.augment < 0 or not self.step_size > 0 or not self.lr > 0:
             raise CloneError("augment must be >= 0, step_size and lr > 0")
 
@@ -247,14 +251,20 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
     known = {tuple(r["bins"]) for r in records}
     results, profiles = {}, {}
     for name, budget in header["budgets"].items():
-        controller, training = one_thread(train_controller, records, name, vocab, settings, ctx)
-        seeds = [r["bins"] for r in sorted(records, key=lambda r: -r["scores"][name])[: settings.seeds]]
-        vectors = one_thread(generate, controller, seeds, known, settings)
-        with torch.inference_mode():
-            candidates = [collector.evaluate(v, "search")
-                          for v in ctx.track(vectors, f"clone-search {name}: measure candidates")]
-        known |= {tuple(v) for v in vectors}
-        records += candidates
+        candidates, training = [], []
+        for round_index in range(settings.rounds):
+            controller, trained = one_thread(train_controller, records, name, vocab, settings, ctx)
+            seeds = [r["bins"] for r in sorted(records, key=lambda r: -r["scores"][name])[: settings.seeds]]
+            vectors = one_thread(generate, controller, seeds, known, settings)
+            with torch.inference_mode():
+                measured = [collector.evaluate(v, "search") for v in ctx.track(
+                    vectors, f"clone-search {name}: round {round_index + 1}/{settings.rounds}: measure candidates")]
+            known |= {tuple(v) for v in vectors}
+            records += measured
+            candidates += measured
+            training.append(trained | {"candidates": len(measured)})
+            if not vectors:  # the controller decodes nothing new any more
+                break
         best_searched = best_record(candidates, name, budget, settings.strict)
         best_collected = best_record([r for r in records if r["origin"] != "search"], name, budget, settings.strict)
         chosen = best_record([r for r in (best_searched, best_collected) if r is not None], name, budget,

@@ -42,7 +42,7 @@ def test_clone_collect_fans_out_on_ray_and_search_merges_the_shards(tmp_path, ra
         return parse_spec({
             "source": {"model": str(package)}, "levels": [1.0], "publish": {"name": "clone", "version": "1"},
             "stages": {"clone-collect": {"enabled": True, "settings": {**collect, "budgets": budgets}},
-                       "clone-search": {"enabled": True, "settings": {"epochs": 20, "candidates": 3, "seeds": 3}}},
+                       "clone-search": {"enabled": True, "settings": {"epochs": 20, "candidates": 3, "rounds": 1, "seeds": 3}}},
         })
 
     scheduler = Scheduler(settings, registry).start()

@@ -61,8 +61,11 @@ def test_sampling_is_seeded_unique_quantised_and_sharded(package, calib):
         if strategy in ("uniform", "layer_drop", "anchor_weighted"):
             assert all(vector[a] == top for a in manifest.elastic.anchor_layers)
     assert any(0 in v for s, v in vectors if s == "layer_drop")  # ShortGPT drops whole layers
-    shards = [shard_of(vectors, i, 3) for i in range(3)]
-    assert sorted(map(tuple, (v for part in shards for _, v in part))) == sorted(tuple(v) for _, v in vectors)
+    for cost in (None, sum):  # strided, and balanced by a cost
+        shards = [shard_of(vectors, i, 3, cost) for i in range(3)]
+        assert sorted(map(tuple, (v for part in shards for _, v in part))) == sorted(tuple(v) for _, v in vectors)
+    loads = [sum(sum(v) for _, v in shard_of(vectors, i, 3, sum)) for i in range(3)]
+    assert max(loads) - min(loads) <= max(sum(v) for _, v in vectors)  # within one vector's work
     assert vectors != sample_vectors(manifest, settings(calib, seed=1))
 
     assert quantise(0.34, options.ratio_bins) == 3 and quantise(0.36, options.ratio_bins) == 4
@@ -107,13 +110,16 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
                           quiet_context())
         paths.append(tmp_path / f"records.{shard}.json")
         paths[-1].write_text(json.dumps(records))
-    found = search(package, paths, SearchSettings(epochs=60, candidates=6, seeds=4), quiet_context())
+    found = search(package, paths, SearchSettings(epochs=60, candidates=3, rounds=2, seeds=4), quiet_context())
     collected = {tuple(r["bins"]) for r in found["records"] if r["origin"] != "search"}
     assert len(collected) == 24
     candidates = [r for r in found["records"] if r["origin"] == "search"]
     assert candidates and len({tuple(r["bins"]) for r in candidates}) == len(candidates)
     assert not collected & {tuple(r["bins"]) for r in candidates}  # new vectors only
     assert all(math.isfinite(r["ppl"]) and len(r["bins"]) == 4 for r in candidates)
+    for result in found["search"].values():  # the second round trained on the first round's measurements
+        first, second = result["training"]
+        assert second["examples"] > first["examples"] and result["candidates"] == first["candidates"] + second["candidates"]
     profiles = found["clone"]["profiles"]
     assert set(profiles) == {"fast", "frugal"}
     assert profiles["frugal"]["budget"]["latency_ms"] is None  # energy only: latency unbounded
@@ -121,7 +127,8 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
         best = max(found["records"], key=lambda r: r["scores"][name])
         assert (entry["ppl"], entry["attn_units"], entry["mlp_units"]) == (best["ppl"], best["attn_units"],
                                                                            best["mlp_units"])
-    strict = search(package, paths, SearchSettings(epochs=2, candidates=2, seeds=2, strict=True), quiet_context())
+    strict = search(package, paths, SearchSettings(epochs=2, candidates=2, rounds=1, seeds=2, strict=True),
+                    quiet_context())
     for entry in strict["clone"]["profiles"].values():  # strict: the lowest perplexity within the budget
         limit = {k: math.inf if v is None else v for k, v in entry["budget"].items()}
         assert entry["latency_ms"] <= limit["latency_ms"] and entry["energy_j"] <= limit["energy_j"]
@@ -169,5 +176,5 @@ def test_search_fails_clearly_when_no_measured_configuration_fits(package, calib
     path = tmp_path / "records.json"
     path.write_text(json.dumps(records))
     with pytest.raises(CloneError, match="budget 'tight'.*was met by none"):
-        search(package, [path], SearchSettings(epochs=2, candidates=1, seeds=1, max_steps=1, beam_width=1,
+        search(package, [path], SearchSettings(epochs=2, candidates=1, rounds=1, seeds=1, max_steps=1, beam_width=1,
                                                strict=True), quiet_context())
