@@ -12,9 +12,10 @@ Search, per budget, in rounds as NAO does: train the controller on the records s
 top-k records, step the encoder states along the gradient of the predicted score with increasing
 step sizes, decode each moved embedding by beam search, until N new vectors exist; measure each
 of them for real (same model, text and cost model as the collection) and add them to the records,
-so the next round trains on them and may start from them. The budget's profile is the measured
-configuration with the highest score (`strict`: the lowest perplexity among those whose
-predicted latency and energy fit the budget).
+so the next round trains on them and may start from them. A budget's profile is the measured
+configuration (of any budget's search, or collected) with the highest score (`strict`: the lowest
+perplexity among those whose predicted latency and energy fit the budget; its ascent then starts
+from the best records within the budget).
 """
 
 from __future__ import annotations
@@ -229,6 +230,15 @@ def best_record(records: list[dict], name: str, budget: dict, strict: bool) -> d
     return max(records, key=lambda r: r["scores"][name], default=None)
 
 
+def seed_vectors(records: list[dict], name: str, budget: dict, settings: SearchSettings) -> list[list[int]]:
+    """The top-k records by the budget's score that the gradient ascent starts from; `strict`
+    ranks those within the budget first, since the profile has to end up there."""
+    ranked = sorted(records, key=lambda r: -r["scores"][name])
+    if settings.strict:
+        ranked = [r for r in ranked if feasible(r, budget)] + [r for r in ranked if not feasible(r, budget)]
+    return [r["bins"] for r in ranked[: settings.seeds]]
+
+
 def one_thread(fn, *args):
     """Run `fn` on one torch thread: the controller's small recurrent ops lose far more to thread
     hand-offs than they gain (5x slower on 2 threads of a busy 2-core host)."""
@@ -254,8 +264,7 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
         candidates, training = [], []
         for round_index in range(settings.rounds):
             controller, trained = one_thread(train_controller, records, name, vocab, settings, ctx)
-            seeds = [r["bins"] for r in sorted(records, key=lambda r: -r["scores"][name])[: settings.seeds]]
-            vectors = one_thread(generate, controller, seeds, known, settings)
+            vectors = one_thread(generate, controller, seed_vectors(records, name, budget, settings), known, settings)
             with torch.inference_mode():
                 measured = [collector.evaluate(v, "search") for v in ctx.track(
                     vectors, f"clone-search {name}: round {round_index + 1}/{settings.rounds}: measure candidates")]
@@ -265,8 +274,14 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
             training.append(trained | {"candidates": len(measured)})
             if not vectors:  # the controller decodes nothing new any more
                 break
-        best_searched = best_record(candidates, name, budget, settings.strict)
-        best_collected = best_record([r for r in records if r["origin"] != "search"], name, budget, settings.strict)
+        results[name] = {"training": training, "candidates": len(candidates)}
+    # Every measured configuration competes for every budget: a vector found while searching one
+    # budget may be the best fit of another.
+    searched = [r for r in records if r["origin"] == "search"]
+    collected = [r for r in records if r["origin"] != "search"]
+    for name, budget in header["budgets"].items():
+        best_searched = best_record(searched, name, budget, settings.strict)
+        best_collected = best_record(collected, name, budget, settings.strict)
         chosen = best_record([r for r in (best_searched, best_collected) if r is not None], name, budget,
                              settings.strict)
         if chosen is None:
@@ -275,8 +290,7 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
                 f"of {len(records)} measured configurations; raise the budget or collect more samples"
             )
         profiles[name] = profile_entry(chosen, budget)
-        results[name] = {"training": training, "candidates": len(candidates), "best_searched": best_searched,
-                         "best_collected": best_collected}
+        results[name] |= {"best_searched": best_searched, "best_collected": best_collected}
     return {"clone": {"profiles": profiles, "cost_model": cost_model_entry(header)}, "search": results,
             "records": records}
 
