@@ -181,6 +181,29 @@ def _follow(scheduler, build_id: str, on_progress):
     return until
 
 
+DEMO_KEY_PREFIX = "demo-"
+
+
+def cancel_stale_demos(sessions, current_key: str) -> list[str]:
+    """Cancel unfinished demo builds other than `current_key`'s. A demo's key carries the
+    pipeline's code digest, so another key is an interrupted demo of other code, and the embedded
+    scheduler would otherwise finish its stages before starting this one's."""
+    from sqlalchemy import select
+
+    from cluster.models import Build
+    from cluster.service import cancel_build
+    from cluster.states import TERMINAL
+
+    with sessions() as session:
+        stale = session.scalars(select(Build.id).where(
+            Build.idempotency_key.startswith(DEMO_KEY_PREFIX), Build.idempotency_key != current_key,
+            Build.status.not_in([status.value for status in TERMINAL]))).all()
+    for build_id in stale:
+        cancel_build(sessions, build_id)
+        log.info("cancelled build %s, an unfinished demo of other code", build_id)
+    return list(stale)
+
+
 def embedded_demo() -> None:
     """Build SmolLM2-135M end to end in embedded mode and print the package path and stage times."""
     from cluster.embedded import running_service
@@ -194,9 +217,11 @@ def embedded_demo() -> None:
     settings = Settings.from_env()
     spec = parse_spec(demo_spec(prepare_smollm2(progress=log.info)))
     started = time.perf_counter()
+    key = f"{DEMO_KEY_PREFIX}{spec.content_hash()}"
     with running_service(settings) as scheduler:
         # Keyed by content: an interrupted demo resumes its build, a finished one is shown again.
-        build_id = submit_build(scheduler.sessions, spec, scheduler.registry, idempotency_key=f"demo-{spec.content_hash()}")
+        cancel_stale_demos(scheduler.sessions, key)
+        build_id = submit_build(scheduler.sessions, spec, scheduler.registry, idempotency_key=key)
         log.info("build %s", build_id)
         with progress_bars() as on_progress:
             scheduler.run(until=_follow(scheduler, build_id, on_progress), timeout=3600)

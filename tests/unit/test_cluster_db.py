@@ -41,12 +41,31 @@ def test_migrations_create_exactly_the_models_schema(tmp_path):
         assert [name for (name,) in connection.exec_driver_sql("SELECT name FROM sqlite_master WHERE type='table'")] == ["alembic_version"]
 
 
-def _build(session, build_id="b1", tenant="t1", status=Status.RUNNING.value, spec=None):
+def _build(session, build_id="b1", tenant="t1", status=Status.RUNNING.value, spec=None, key=None):
     if session.get(Tenant, tenant) is None:
         session.add(Tenant(id=tenant))
         session.flush()
-    session.add(Build(id=build_id, tenant_id=tenant, spec=spec or {}, spec_hash="h", status=status))
+    session.add(Build(id=build_id, tenant_id=tenant, spec=spec or {}, spec_hash="h", status=status,
+                      idempotency_key=key))
     session.flush()
+
+
+def test_a_new_demo_cancels_unfinished_demos_of_other_code_only(sessions):
+    from api.commands.cluster import cancel_stale_demos
+
+    with sessions.begin() as session:
+        _build(session, "old-running", key="demo-old1")
+        _build(session, "old-queued", status=Status.QUEUED.value, key="demo-old2")
+        _build(session, "old-done", status=Status.SUCCEEDED.value, key="demo-old3")
+        _build(session, "current", key="demo-new")  # an interrupted run of this demo resumes
+        _build(session, "user-build", key="nightly-1")
+    assert sorted(cancel_stale_demos(sessions, "demo-new")) == ["old-queued", "old-running"]
+    with sessions() as session:
+        status = dict(session.execute(select(Build.id, Build.status)).all())
+        requested = dict(session.execute(select(Build.id, Build.cancel_requested)).all())
+    assert status["old-queued"] == Status.CANCELLED.value and requested["old-running"]
+    assert status["old-done"] == Status.SUCCEEDED.value
+    assert not requested["current"] and not requested["user-build"]
 
 
 def test_conditional_transitions_let_exactly_one_racer_win(sessions):
