@@ -8,11 +8,11 @@
 //
 // then logits = lm_head(RMSNorm(x)). A sub-layer of width 0 is skipped. Threads share one
 // OpenMP region for the whole token: each GEMV splits its output rows (or, for the
-// transposed o/down storage, its output columns) between them, with a barrier between ops;
-// RMSNorm is cheap enough that every thread computes its own copy instead of waiting.
-// The barriers are our own spinning ones (SpinBarrier): a token has ~150 of them, and the
-// OpenMP barrier under OMP_WAIT_POLICY=PASSIVE (which the SDK sets) puts waiting threads to
-// sleep, whose wake-up cost ate most of the second thread's gain.
+// transposed o/down storage, its input rows: `add_columns`) between them, with a barrier
+// between ops; RMSNorm is cheap enough that every thread computes its own copy instead of
+// waiting. The barriers are our own spinning ones (SpinBarrier): a token has seven per layer,
+// and the OpenMP barrier under OMP_WAIT_POLICY=PASSIVE (which the SDK sets) puts waiting
+// threads to sleep, whose wake-up cost ate most of the second thread's gain.
 
 #pragma once
 
@@ -262,7 +262,6 @@ class Decoder {
 #pragma omp for schedule(static) nowait
           for (int64_t g = 0; g < layer.groups; ++g) attend(i, g, position, keys, values, scores.data());
           barrier_.wait(team);
-          // o-proj: each thread owns a run of output columns and adds them to the residual.
           if (p[O].has_lora()) p[O].lora_down(attention_.data(), tq);
           add_columns(p[O], attention_.data(), q_rows, tq, team);
         }
