@@ -261,7 +261,7 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
     known = {tuple(r["bins"]) for r in records}
     results, profiles = {}, {}
     for name, budget in header["budgets"].items():
-        candidates, training = [], []
+        training = []
         for round_index in range(settings.rounds):
             controller, trained = one_thread(train_controller, records, name, vocab, settings, ctx)
             vectors = one_thread(generate, controller, seed_vectors(records, name, budget, settings), known, settings)
@@ -270,11 +270,10 @@ def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings
                     vectors, f"clone-search {name}: round {round_index + 1}/{settings.rounds}: measure candidates")]
             known |= {tuple(v) for v in vectors}
             records += measured
-            candidates += measured
             training.append(trained | {"candidates": len(measured)})
             if not vectors:  # the controller decodes nothing new any more
                 break
-        results[name] = {"training": training, "candidates": len(candidates)}
+        results[name] = {"training": training, "candidates": sum(t["candidates"] for t in training)}
     # Every measured configuration competes for every budget: a vector found while searching one
     # budget may be the best fit of another.
     searched = [r for r in records if r["origin"] == "search"]

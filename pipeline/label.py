@@ -2,9 +2,9 @@
 
 A worker loads one elastic model (plus every level's LoRA) once and sweeps its shard of
 multiple-choice items over the whole grid, switching levels zero-copy: for each item the
-question is compressed once per ratio p by the TLM score head, then every level m answers
-all of them in one batch by option log-likelihood (length-normalised). The result is a boolean correctness tensor
-[items, ratios, levels]. `derive_labels` then turns merged shards plus the cost model into
+question is compressed once per ratio p by the TLM score head, then every level m answers all
+of them in one batch by option log-likelihood (length-normalised). The result is a boolean
+correctness tensor [items, ratios, levels]. `derive_labels` then turns merged shards plus the cost model into
 per-SLO labels: among feasible pairs that answer correctly, the most capable (largest m, then
 largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
 (cheapest correct feasible pair) is stored beside it for the ablation.
