@@ -21,7 +21,7 @@ from pipeline.clone_collect import (
     score,
     shard_of,
 )
-from pipeline.clone_search import SearchSettings, search
+from pipeline.clone_search import SearchSettings, search, seed_vectors
 from pipeline.publish import publish_package
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
@@ -83,6 +83,14 @@ def test_score_follows_the_clone_formula():
     assert score(10.0, 20.0, 1.0, 10.0, 2.0) == pytest.approx(0.1 * 0.5**2)  # latency over by 2x
     assert score(10.0, 5.0, 4.0, 10.0, 2.0) == pytest.approx(0.1 * 0.5**2)  # energy over by 2x
     assert score(10.0, 20.0, 4.0, 10.0, 2.0, alpha=1, beta=3) == pytest.approx(0.1 * 0.5 * 0.5**3)
+
+
+def test_strict_search_starts_from_the_best_records_within_the_budget():
+    budget = {"latency_ms": 10.0, "energy_j": None}
+    records = [{"bins": [b], "latency_ms": t, "energy_j": 1.0, "scores": {"b": s}}
+               for b, t, s in ((0, 12.0, 0.9), (1, 8.0, 0.5), (2, 11.0, 0.8), (3, 9.0, 0.7))]
+    assert seed_vectors(records, "b", budget, SearchSettings(seeds=3)) == [[0], [2], [3]]  # by score
+    assert seed_vectors(records, "b", budget, SearchSettings(seeds=3, strict=True)) == [[3], [1], [0]]
 
 
 def test_bad_budgets_and_settings_are_refused(package, calib):
