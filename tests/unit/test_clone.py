@@ -105,6 +105,8 @@ def test_bad_budgets_and_settings_are_refused(package, calib):
         settings(calib, strategies=["magic"]).validate()
     with pytest.raises(CloneError, match="malformed"):
         settings(calib, budgets=[{"name": "x", "latency": 0.5, "speed": 1}]).validate()
+    with pytest.raises(CloneError, match="rounds"):
+        SearchSettings(rounds=0).validate()
 
 
 def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_path):
