@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from common import print_table
 
-from device_sdk.package import read_manifest
+from device_sdk.format import read_manifest
 from pipeline.clone_collect import Collector, CollectSettings
 from pipeline.clone_search import SearchSettings, install_profiles, search
 from pipeline.stage import StageContext

@@ -81,7 +81,7 @@ def sign_copy(package: Path, work: Path):
 
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from device_sdk.package import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
+    from device_sdk.format import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
 
     key = Ed25519PrivateKey.generate()
     target = work / "registry" / "packages" / "smollm2" / "1.0.0"

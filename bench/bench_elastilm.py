@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 from common import print_table
 
+from device_sdk.format import read_manifest
 from device_sdk.latency import SLO
-from device_sdk.package import read_manifest
 from pipeline import label, latency, recover, tlm
 from pipeline.label import SLO_CLASSES
 from pipeline.stage import StageContext, quiet_context

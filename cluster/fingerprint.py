@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from device_sdk.package import canonical_json, sha256_file
+from device_sdk.format import canonical_json, sha256_file
 
 _memo: dict[tuple[str, int, int], str] = {}
 # Code whose change can change a stage's output; its digest is part of every cache key.

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from cluster.models import Alias, Build, Event, Package, utcnow
-from device_sdk.package import MANIFEST
+from device_sdk.format import MANIFEST
 
 
 class PublishRefused(ValueError):

@@ -34,7 +34,7 @@ from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, u
 from cluster.registry import Registry, StageRegistration
 from cluster.settings import Settings
 from cluster.states import TERMINAL, Status, advance
-from device_sdk.package import canonical_json
+from device_sdk.format import canonical_json
 from workers.ray_tasks import submit
 from workers.runner import ExternalInput, StageTask
 from workers.store import ArtifactRef, StoreError

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from device_sdk.package import canonical_json
+from device_sdk.format import canonical_json
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"

@@ -1,6 +1,7 @@
 """Elastify device SDK: pull, verify and run elastic model packages. Depends on torch,
 safetensors, tokenizers, numpy and cryptography only; never on the service packages."""
 
+import importlib
 import os
 
 # Idle OpenMP threads sleep instead of spinning. A device is shared with other programs, and
@@ -9,11 +10,30 @@ import os
 # this package is imported before torch; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from device_sdk.elastic import ElasticLinear  # noqa: E402 (after the OpenMP setting)
-from device_sdk.latency import SLO  # noqa: E402
-from device_sdk.package import FORMAT_VERSION, Manifest, PackageError, read_manifest, verify_package  # noqa: E402
-from device_sdk.registry import pull  # noqa: E402
-from device_sdk.runtime import ElasticModel, Generation  # noqa: E402
+# The public names are loaded on first use (PEP 562), so that `device_sdk.format`, which the
+# API and the control plane read manifests with, can be imported without importing torch.
+_EXPORTS = {
+    "FORMAT_VERSION": "device_sdk.format",
+    "Manifest": "device_sdk.format",
+    "PackageError": "device_sdk.format",
+    "read_manifest": "device_sdk.format",
+    "verify_package": "device_sdk.format",
+    "ElasticLinear": "device_sdk.elastic",
+    "SLO": "device_sdk.latency",
+    "pull": "device_sdk.registry",
+    "ElasticModel": "device_sdk.runtime",
+    "Generation": "device_sdk.runtime",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'device_sdk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this hook
+    return value
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from device_sdk.package import PackageError, verify_package
+from device_sdk.format import PackageError, verify_package
 
 
 def _slo(args):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from device_sdk.package import Manifest, PackageError, expert_entries
+from device_sdk.format import Manifest, PackageError, expert_entries
 
 MODES = ("soft", "top1", "uniform")
 LoRA = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, in], B [out, r], scale)

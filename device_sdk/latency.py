@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.package import Level, atomic_write_bytes
+from device_sdk.format import Level, atomic_write_bytes
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_sdk.elastic import ElasticLinear, LevelCursor
-from device_sdk.package import Architecture
+from device_sdk.format import Architecture
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # of each block

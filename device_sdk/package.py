@@ -1,417 +1,34 @@
-"""The elastic package format (v1): manifest schema, canonical JSON, hashing, byte ranges, signing.
+"""The weights side of the elastic package: writing a package's tensors, reading a tensor's prefix.
 
-This module is the single definition of the format. The pipeline writes packages through
-`write_package`; the SDK reads and verifies them with `read_manifest` / `verify_package`.
+The format itself (manifest schema, hashing, byte ranges, signing) is `device_sdk.format`,
+which needs no torch; this module adds what does.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import os
 import shutil
-import struct
 import tempfile
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-WEIGHTS = "model/weights.safetensors"
-CONFIG = "model/config.json"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
-
-
-class PackageError(ValueError):
-    """A package is malformed, incomplete, tampered with or of an unknown format."""
-
-
-# --------------------------------------------------------------------------- schema
-
-
-@dataclass
-class Architecture:
-    family: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    norm_eps: float
-    rope: dict[str, Any]
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    tie_word_embeddings: bool = False
-    max_position: int = 2048
-    sliding_window: int | None = None
-
-    @property
-    def n_rep(self) -> int:
-        return self.heads // self.kv_heads
-
-    def validate(self) -> None:
-        if self.family not in SUPPORTED_FAMILIES:
-            raise PackageError(f"architecture.family {self.family!r} is not one of {SUPPORTED_FAMILIES}")
-        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab"):
-            if getattr(self, name) <= 0:
-                raise PackageError(f"architecture.{name} must be positive, got {getattr(self, name)}")
-        if self.heads % self.kv_heads:
-            raise PackageError(f"architecture.heads ({self.heads}) is not a multiple of kv_heads ({self.kv_heads})")
-
-
-@dataclass
-class Level:
-    """One whole-model width: how many units every layer keeps."""
-
-    name: str  # canonical string of the ratio, e.g. "0.5"; also the key in byte_ranges
-    ratio: float
-    attn_units: list[int]  # kept KV groups per layer
-    mlp_units: list[int]  # kept MLP neurons per layer
-    active_params: int  # parameters multiplied per token (decoder linears + norms + LM head)
-    active_fraction: float  # active_params / the full model's active_params
-    adapter: str | None = None  # adapters/recovery/<name>.safetensors once recovery ran
-    quality: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class ElasticTensor:
-    """How one stored tensor is cut into units along its first axis."""
-
-    layer: int
-    unit: str  # "attn" or "mlp"
-    rows_per_unit: int
-    transposed: bool  # stored [in, out] (o_proj, down_proj) so the unit axis comes first
-
-
-@dataclass
-class Elastic:
-    anchor_layers: list[int]
-    attn_units: list[int]  # total KV groups per layer
-    mlp_units: list[int]  # total neurons per layer
-    levels: list[Level]
-    tensors: dict[str, ElasticTensor]
-    importance: dict[str, Any] = field(default_factory=dict)  # method, calibration, layer scores
-
-    def level(self, key: str | float) -> Level:
-        name = level_name(key) if not isinstance(key, str) else key
-        for level in self.levels:
-            if level.name == name:
-                return level
-        raise PackageError(f"no level {key!r}; the package has {[lv.name for lv in self.levels]}")
-
-
-@dataclass
-class FileEntry:
-    path: str
-    size: int
-    sha256: str
-
-
-@dataclass
-class Manifest:
-    format_version: int
-    name: str
-    version: str
-    created_at: str
-    build_id: str | None
-    source: dict[str, Any]
-    architecture: Architecture
-    elastic: Elastic
-    files: list[FileEntry]
-    byte_ranges: dict[str, Any]
-    tlm: dict[str, Any] | None = None
-    latency_profile: dict[str, Any] | None = None
-    clone: dict[str, Any] | None = None
-    experts: dict[str, Any] | None = None
-    signature: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
-        if not isinstance(data, Mapping):
-            raise PackageError("manifest must be a JSON object")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise PackageError(f"manifest format_version is {version!r}; this SDK reads format {FORMAT_VERSION}")
-        try:
-            arch = _build(Architecture, data["architecture"], "architecture")
-            el = data["elastic"]
-            elastic = Elastic(
-                anchor_layers=list(el["anchor_layers"]),
-                attn_units=list(el["attn_units"]),
-                mlp_units=list(el["mlp_units"]),
-                levels=[_build(Level, lv, "elastic.levels[]") for lv in el["levels"]],
-                tensors={k: _build(ElasticTensor, v, f"elastic.tensors[{k}]") for k, v in el["tensors"].items()},
-                importance=dict(el.get("importance", {})),
-            )
-            top = {f.name for f in fields(cls)} - {"architecture", "elastic", "files"}
-            unknown = set(data) - top - {"architecture", "elastic", "files"}
-            if unknown:
-                raise PackageError(f"manifest has unknown fields: {sorted(unknown)}")
-            manifest = cls(
-                architecture=arch,
-                elastic=elastic,
-                files=[_build(FileEntry, f, "files[]") for f in data["files"]],
-                **{k: data[k] for k in top if k in data},
-            )
-        except KeyError as missing:
-            raise PackageError(f"manifest is missing the field {missing}") from None
-        except TypeError as bad:
-            raise PackageError(f"manifest is malformed: {bad}") from None
-        manifest.validate()
-        return manifest
-
-    def validate(self) -> None:
-        self.architecture.validate()
-        arch, el = self.architecture, self.elastic
-        if len(el.attn_units) != arch.layers or len(el.mlp_units) != arch.layers:
-            raise PackageError("elastic unit counts must have one entry per layer")
-        if not el.levels:
-            raise PackageError("elastic.levels is empty")
-        previous, below = 0.0, None
-        for level in el.levels:
-            if below is not None and any(
-                a < b for a, b in zip(level.attn_units + level.mlp_units, below.attn_units + below.mlp_units, strict=True)
-            ):
-                raise PackageError(f"level {level.name} keeps fewer units than level {below.name} in some layer")
-            below = level
-            if not previous < level.ratio <= 1.0:
-                raise PackageError(f"level ratios must increase within (0, 1]; got {level.ratio} after {previous}")
-            previous = level.ratio
-            for layer, (a, m) in enumerate(zip(level.attn_units, level.mlp_units, strict=True)):
-                if not (0 <= a <= el.attn_units[layer] and 0 <= m <= el.mlp_units[layer]):
-                    raise PackageError(f"level {level.name} keeps more units than layer {layer} has")
-        for anchor in el.anchor_layers:
-            if not 0 <= anchor < arch.layers:
-                raise PackageError(f"anchor layer {anchor} is out of range")
-        clone_profiles(self)
-        expert_entries(self)
-
-
-@dataclass
-class CloneProfile:
-    """A named per-layer width profile found by the CLONE search, with what was measured for it."""
-
-    attn_units: list[int]
-    mlp_units: list[int]
-    ppl: float  # held-out perplexity, no LoRA
-    latency_ms: float  # predicted latency of the cost model's reference request
-    energy_j: float  # predicted energy of that request
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    ratios: list[float] = field(default_factory=list)
-    active_fraction: float | None = None
-    origin: str = "search"  # "search", or the collection heuristic that found it
-    budget: dict[str, float] = field(default_factory=dict)  # the (latency_ms, energy_j) it was chosen for
-
-
-def clone_profiles(manifest: Manifest) -> dict[str, CloneProfile]:
-    """`clone.profiles` parsed and checked against the architecture; {} when the package has none."""
-    if manifest.clone is None:
-        return {}
-    if not isinstance(manifest.clone, Mapping) or not isinstance(manifest.clone.get("profiles"), Mapping):
-        raise PackageError("clone must be an object with a `profiles` object")
-    arch, el = manifest.architecture, manifest.elastic
-    profiles = {}
-    for name, entry in manifest.clone["profiles"].items():
-        if not isinstance(entry, Mapping):
-            raise PackageError(f"clone.profiles[{name}] must be an object")
-        profile = _build(CloneProfile, entry, f"clone.profiles[{name}]")
-        if len(profile.attn_units) != arch.layers or len(profile.mlp_units) != arch.layers:
-            raise PackageError(f"clone.profiles[{name}] needs one width per layer ({arch.layers})")
-        for layer, (a, m) in enumerate(zip(profile.attn_units, profile.mlp_units, strict=True)):
-            if not (0 <= a <= el.attn_units[layer] and 0 <= m <= el.mlp_units[layer]):
-                raise PackageError(f"clone.profiles[{name}] keeps more units than layer {layer} has")
-        if not all(isinstance(v, (int, float)) and v >= 0 for v in (profile.ppl, profile.latency_ms, profile.energy_j)):
-            raise PackageError(f"clone.profiles[{name}]: ppl, latency_ms and energy_j must be non-negative numbers")
-        profiles[name] = profile
-    return profiles
-
-
-@dataclass
-class ExpertEntry:
-    """One CLONE LoRA-MoE expert: its adapter file and the centroid of its task's prompt embeddings."""
-
-    name: str
-    adapter: str  # adapters/experts/<name>.safetensors (unit-major, full width)
-    centroid: list[float]
-
-
-def expert_entries(manifest: Manifest) -> list[ExpertEntry]:
-    """`experts.experts` parsed and checked; [] when the package has none."""
-    if manifest.experts is None:
-        return []
-    data = manifest.experts
-    if not isinstance(data, Mapping) or not isinstance(data.get("experts"), list):
-        raise PackageError("experts must be an object with an `experts` list")
-    entries = [_build(ExpertEntry, e, "experts.experts[]") for e in data["experts"]]
-    if not entries:
-        raise PackageError("experts.experts is empty; omit `experts` for a package without experts")
-    sizes = {len(e.centroid) for e in entries}
-    if len(sizes) != 1 or 0 in sizes:
-        raise PackageError("every expert centroid must have the same, non-zero dimension")
-    if len({e.name for e in entries}) != len(entries):
-        raise PackageError("expert names must be unique")
-    if not data.get("temperature", 1.0) > 0:
-        raise PackageError("experts.temperature must be positive")
-    return entries
-
-
-def _build(kind, data: Mapping[str, Any], where: str):
-    names = {f.name for f in fields(kind)}
-    unknown = set(data) - names
-    if unknown:
-        raise PackageError(f"{where} has unknown fields: {sorted(unknown)}")
-    try:
-        return kind(**data)
-    except TypeError as err:
-        raise PackageError(f"{where} is malformed: {err}") from None
-
-
-def level_name(ratio: float) -> str:
-    """Canonical, stable key for a level ratio: 0.5 -> "0.5", 1 -> "1.0"."""
-    return repr(round(float(ratio), 6))
-
-
-# --------------------------------------------------------------------------- canonical JSON and signing
-
-
-def canonical_json(data: Any) -> bytes:
-    """The exact bytes that are hashed and signed: sorted keys, no whitespace, UTF-8."""
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-
-
-def signed_bytes(manifest: Manifest | Mapping[str, Any]) -> bytes:
-    data = manifest.to_dict() if isinstance(manifest, Manifest) else dict(manifest)
-    data.pop("signature", None)
-    return canonical_json(data)
-
-
-def sign_manifest(manifest: Manifest, private_key) -> Manifest:
-    """Sign in place with an Ed25519 private key (cryptography's Ed25519PrivateKey)."""
-    manifest.signature = base64.b64encode(private_key.sign(signed_bytes(manifest))).decode()
-    return manifest
-
-
-def verify_signature(manifest: Manifest, public_key) -> None:
-    """Raise PackageError unless the manifest carries a valid signature by `public_key`.
-
-    `public_key` is an Ed25519PublicKey or its 32 raw bytes (or their base64).
-    """
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    if isinstance(public_key, str):
-        public_key = base64.b64decode(public_key)
-    if isinstance(public_key, bytes):
-        public_key = Ed25519PublicKey.from_public_bytes(public_key)
-    if not manifest.signature:
-        raise PackageError("manifest is not signed")
-    try:
-        public_key.verify(base64.b64decode(manifest.signature), signed_bytes(manifest))
-    except (InvalidSignature, ValueError):
-        raise PackageError("manifest signature does not verify against the pinned public key") from None
-
-
-# --------------------------------------------------------------------------- hashing and safetensors layout
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def safetensors_layout(path: Path) -> tuple[int, dict[str, dict[str, Any]]]:
-    """Return (data_start, header) of a safetensors file; header offsets are relative to data_start."""
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise PackageError(f"{path} is not a safetensors file (truncated header)")
-        (header_len,) = struct.unpack("<Q", raw)
-        header = json.loads(handle.read(header_len))
-    header.pop("__metadata__", None)
-    return 8 + header_len, header
-
-
-def byte_ranges_for(path: Path, elastic: Elastic, element_size: int) -> dict[str, Any]:
-    """Absolute [start, end) byte range of every tensor for every level.
-
-    Elastic tensors are unit-major, so a level's bytes are a prefix of the tensor's bytes;
-    every other tensor (embeddings, norms) is needed whole by every level.
-    """
-    data_start, header = safetensors_layout(path)
-    tensors: dict[str, dict[str, list[int]]] = {}
-    for name, info in header.items():
-        begin, end = (data_start + offset for offset in info["data_offsets"])
-        spec = elastic.tensors.get(name)
-        per_level = {}
-        for level in elastic.levels:
-            if spec is None:
-                per_level[level.name] = [begin, end]
-                continue
-            units = (level.attn_units if spec.unit == "attn" else level.mlp_units)[spec.layer]
-            row_bytes = element_size * _row_elements(info["shape"])
-            per_level[level.name] = [begin, begin + units * spec.rows_per_unit * row_bytes]
-        tensors[name] = per_level
-    ranges = {"file": WEIGHTS, "header": [0, data_start], "tensors": tensors}
-    ranges["sha256"] = range_digests(path, ranges)
-    return ranges
-
-
-def range_digests(path: Path, ranges: Mapping[str, Any]) -> dict[str, Any]:
-    """sha256 of the header and of every tensor's per-level prefix, so a partial pull is verifiable.
-
-    Prefixes of one tensor nest, so each tensor is read once and the hash is snapshotted at
-    every level's end.
-    """
-    digests: dict[str, Any] = {"header": None, "tensors": {}}
-    with open(path, "rb") as handle:
-        digests["header"] = hashlib.sha256(handle.read(ranges["header"][1])).hexdigest()
-        for name, per_level in ranges["tensors"].items():
-            begin = min(start for start, _ in per_level.values())
-            handle.seek(begin)
-            hasher, position, per_name = hashlib.sha256(), begin, {}
-            for level, (_, end) in sorted(per_level.items(), key=lambda item: item[1][1]):
-                hasher.update(handle.read(end - position))
-                position = end
-                per_name[level] = hasher.copy().hexdigest()
-            digests["tensors"][name] = per_name
-    return digests
-
-
-def _row_elements(shape: list[int]) -> int:
-    count = 1
-    for dim in shape[1:]:
-        count *= dim
-    return count
-
-
-def level_byte_ranges(manifest: Manifest, level: str) -> list[tuple[int, int]]:
-    """Merged, sorted byte ranges of the weights file that `level` (and every smaller level) needs."""
-    spans = [tuple(manifest.byte_ranges["header"])]
-    spans += [tuple(per_level[level]) for per_level in manifest.byte_ranges["tensors"].values()]
-    merged: list[list[int]] = []
-    for start, end in sorted(spans):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(s, e) for s, e in merged]
+from device_sdk.format import (
+    FORMAT_VERSION,
+    MANIFEST,
+    WEIGHTS,
+    Architecture,
+    Elastic,
+    Manifest,
+    PackageError,
+    byte_ranges_for,
+    canonical_json,
+    file_entries,
+    safetensors_layout,
+)
 
 
 def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: str) -> torch.Tensor:
@@ -428,43 +45,6 @@ def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: 
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8}
-
-
-# --------------------------------------------------------------------------- reading and verifying
-
-
-def read_manifest(package_dir: Path) -> Manifest:
-    path = Path(package_dir) / MANIFEST
-    if not path.is_file():
-        raise PackageError(f"{package_dir} has no {MANIFEST}")
-    try:
-        data = json.loads(path.read_bytes())
-    except json.JSONDecodeError as err:
-        raise PackageError(f"{path} is not valid JSON: {err}") from None
-    return Manifest.from_dict(data)
-
-
-def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] | None = None) -> Manifest:
-    """Check every listed file's size and sha256 (and the signature when a key is given)."""
-    package_dir = Path(package_dir)
-    manifest = read_manifest(package_dir)
-    if public_key is not None:
-        verify_signature(manifest, public_key)
-    wanted = set(files) if files is not None else None
-    for entry in manifest.files:
-        if wanted is not None and entry.path not in wanted:
-            continue
-        path = package_dir / entry.path
-        if not path.is_file():
-            raise PackageError(f"{entry.path} is missing from the package")
-        if path.stat().st_size != entry.size:
-            raise PackageError(f"{entry.path} has {path.stat().st_size} bytes, the manifest says {entry.size}")
-        if sha256_file(path) != entry.sha256:
-            raise PackageError(f"{entry.path} does not match its sha256 in the manifest")
-    return manifest
-
-
-# --------------------------------------------------------------------------- writing
 
 
 def write_package(
@@ -502,7 +82,7 @@ def write_package(
             format_version=FORMAT_VERSION,
             architecture=architecture,
             elastic=elastic,
-            files=_file_entries(stage),
+            files=file_entries(stage),
             byte_ranges=byte_ranges,
             **manifest_fields,
         )
@@ -515,27 +95,6 @@ def write_package(
     return manifest
 
 
-def rewrite_manifest(package_dir: Path, manifest: Manifest) -> None:
-    """Refresh the file table and write the manifest atomically (after adding files to a package)."""
-    manifest.files = _file_entries(Path(package_dir))
-    manifest.validate()
-    atomic_write_bytes(Path(package_dir) / MANIFEST, canonical_json(manifest.to_dict()))
-
-
-def atomic_write_bytes(path: Path, content: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _place(root: Path, relative: str, content: Path | bytes) -> None:
     target = root / relative
     if ".." in Path(relative).parts or Path(relative).is_absolute():
@@ -545,16 +104,6 @@ def _place(root: Path, relative: str, content: Path | bytes) -> None:
         target.write_bytes(content)
     else:
         shutil.copyfile(content, target)
-
-
-def _file_entries(root: Path) -> list[FileEntry]:
-    entries = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        relative = path.relative_to(root).as_posix()
-        if relative == MANIFEST:
-            continue
-        entries.append(FileEntry(relative, path.stat().st_size, sha256_file(path)))
-    return entries
 
 
 def _swap_into_place(stage: Path, out_dir: Path) -> None:

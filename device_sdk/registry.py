@@ -40,7 +40,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from device_sdk.client import ElastifyAPIError, ElastifyClient
-from device_sdk.package import (
+from device_sdk.format import (
     MANIFEST,
     WEIGHTS,
     Manifest,

@@ -24,10 +24,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from device_sdk.experts import ExpertSet
-from device_sdk.kernels import NativeDecoder, make_linear
-from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
-from device_sdk.llama import Projection, Transformer
-from device_sdk.package import (
+from device_sdk.format import (
     WEIGHTS,
     CloneProfile,
     Level,
@@ -36,6 +33,9 @@ from device_sdk.package import (
     clone_profiles,
     safetensors_layout,
 )
+from device_sdk.kernels import NativeDecoder, make_linear
+from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
+from device_sdk.llama import Projection, Transformer
 from device_sdk.registry import read_local_state, verify_local
 from device_sdk.tlm import TLM, tlm_decider
 

@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from device_sdk.encoder import Encoder, load_tokenizer
+from device_sdk.format import Level
 from device_sdk.latency import SLO, Decision, LatencyProfile, feasible
-from device_sdk.package import Level
 
 WORD = re.compile(r"\S+")
 CONFIG_FILE = "tlm_config.json"

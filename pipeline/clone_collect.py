@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
+from device_sdk.format import Manifest, atomic_write_bytes, read_manifest
 from device_sdk.latency import EnergyProfile
-from device_sdk.package import Manifest, atomic_write_bytes, read_manifest
 from pipeline.calibration import make_windows
 from pipeline.elastify import ElastifySettings, layer_widths
 from pipeline.latency import RequestCost, host_constants, request_cost, widths_cost

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.clone_collect import CloneError, Collector, CollectSettings, read_records
 from pipeline.stage import StageContext
 

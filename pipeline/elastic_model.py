@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from device_sdk.elastic import ElasticLinear, LevelCursor
-from device_sdk.package import WEIGHTS, Architecture, Elastic, Manifest, read_manifest
+from device_sdk.format import WEIGHTS, Architecture, Elastic, Manifest, read_manifest
 
 ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")

@@ -19,14 +19,8 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.package import (
-    Architecture,
-    Elastic,
-    ElasticTensor,
-    Level,
-    level_name,
-    write_package,
-)
+from device_sdk.format import Architecture, Elastic, ElasticTensor, Level, level_name
+from device_sdk.package import write_package
 from pipeline.profile import Importance
 from pipeline.stage import StageContext
 

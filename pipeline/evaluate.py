@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.calibration import make_windows
 from pipeline.elastic_model import ElasticCausalLM
 from pipeline.lm import perplexity

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from device_sdk.experts import ExpertRouter
-from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.label import MCItem, load_task
 from pipeline.recover import (
     IGNORE,

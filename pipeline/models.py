@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from device_sdk.package import Architecture
+from device_sdk.format import Architecture
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

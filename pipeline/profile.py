@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from device_sdk.package import Architecture, atomic_write_bytes
+from device_sdk.format import Architecture, atomic_write_bytes
 from pipeline.calibration import make_windows
 from pipeline.lm import nll_from_hidden, nll_sum
 from pipeline.stage import StageContext

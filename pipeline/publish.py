@@ -13,7 +13,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from device_sdk.package import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
+from device_sdk.format import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
 from pipeline.clone_search import install_profiles
 from pipeline.evaluate import apply_quality
 from pipeline.experts import install_experts

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from device_sdk.elastic import ElasticLinear
-from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.calibration import make_windows
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
 from pipeline.stage import StageContext

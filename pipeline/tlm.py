@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from device_sdk.package import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.tlm import (
     CONFIG_FILE,
     WEIGHTS_FILE,

@@ -18,7 +18,7 @@ from cluster.db import migrate
 from cluster.models import Attempt, Build, Package, Stage, utcnow
 from cluster.packages import package_prefix
 from cluster.settings import Settings
-from device_sdk.package import MANIFEST, canonical_json, sha256_file
+from device_sdk.format import MANIFEST, canonical_json, sha256_file
 from tests.integration.control_plane import chain_registry
 
 

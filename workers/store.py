@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from device_sdk.package import atomic_write_bytes, canonical_json, sha256_file
+from device_sdk.format import atomic_write_bytes, canonical_json, sha256_file
 
 INDEX = "index.json"
 CHUNK = 1 << 22

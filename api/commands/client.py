@@ -294,7 +294,7 @@ def packages_pull(
     token: Token = None,
 ) -> None:
     """Download a package through the API, verify every byte and the signature, and install it."""
-    from device_sdk.package import PackageError
+    from device_sdk.format import PackageError
     from device_sdk.registry import pull, read_local_state
 
     with connected(server, token) as client:

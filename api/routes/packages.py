@@ -15,7 +15,7 @@ from api.schemas import AliasIn, AliasOut, PackageList, PackageVersionList, Pres
 from cluster.packages import package_prefix
 from cluster.service import find_package, list_packages, move_alias, package_versions
 from cluster.spec import NAME_PATTERN, VERSION_PATTERN
-from device_sdk.package import MANIFEST
+from device_sdk.format import MANIFEST
 
 router = APIRouter(prefix="/v1/packages", tags=["packages"])
 # Segments may not start with a dot, so `.` and `..` (and hidden files) cannot be named.

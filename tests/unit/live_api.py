@@ -15,7 +15,7 @@ from cluster.models import Alias, Package
 from cluster.packages import alias_key, package_prefix
 from cluster.service import submit_build
 from cluster.spec import parse_spec
-from device_sdk.package import MANIFEST, read_manifest
+from device_sdk.format import MANIFEST, read_manifest
 from tests.api_support import Api, finish_build, make_api, spec
 from tests.integration.services import free_port
 

@@ -10,7 +10,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from safetensors.torch import save_file
 
-from device_sdk.package import (
+from device_sdk.format import (
     MANIFEST,
     atomic_write_bytes,
     canonical_json,

@@ -168,7 +168,7 @@ def test_a_package_name_belongs_to_the_tenant_that_published_it(api, client, tmp
 
     from cluster.models import Stage
     from cluster.packages import PublishRefused, alias_key, register_package
-    from device_sdk.package import canonical_json
+    from device_sdk.format import canonical_json
 
     acme, beta = api.token("acme"), api.token("beta")
     mine = client.post("/v1/builds", json=spec(name="shared", version="1"), headers=acme).json()["id"]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from device_sdk.client import ElastifyAPIError, ElastifyClient
-from device_sdk.package import WEIGHTS, PackageError
+from device_sdk.format import WEIGHTS, PackageError
 from device_sdk.registry import pull, read_local_state, verify_local
 from tests.api_support import finish_build, spec
 from tests.unit.live_api import KEY_SEED, api_with_packages

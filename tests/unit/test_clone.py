@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from device_sdk.format import PackageError, read_manifest, rewrite_manifest, verify_package
 from device_sdk.latency import SLO
-from device_sdk.package import PackageError, read_manifest, rewrite_manifest, verify_package
 from pipeline.clone_collect import (
     CloneError,
     CollectSettings,

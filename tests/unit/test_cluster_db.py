@@ -14,7 +14,7 @@ from cluster.ledger import usage
 from cluster.models import Alias, Attempt, Base, Build, Package, Stage, Tenant
 from cluster.packages import PublishRefused, alias_key, register_package
 from cluster.states import IllegalTransition, Status, advance
-from device_sdk.package import canonical_json
+from device_sdk.format import canonical_json
 from workers.store import LocalStore
 
 

@@ -196,7 +196,7 @@ def test_bad_settings_are_refused(settings, message):
 
 def test_levels_hit_their_parameter_budget_with_or_without_anchors():
     """On SmolLM2's shape (3 KV groups: coarse attention steps) the MLP absorbs the rounding."""
-    from device_sdk.package import Architecture
+    from device_sdk.format import Architecture
     from pipeline.elastify import unit_params
 
     arch = Architecture(family="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,

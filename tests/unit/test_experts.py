@@ -62,7 +62,7 @@ def test_router_sends_held_out_prompts_to_their_task():
 
 
 def test_experts_train_install_and_mix_in_the_sdk(tmp_path):
-    from device_sdk.package import read_manifest
+    from device_sdk.format import read_manifest
     from device_sdk.runtime import ElasticModel
 
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", signing_key())

@@ -8,7 +8,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from device_sdk.package import (
+from device_sdk.format import (
     MANIFEST,
     WEIGHTS,
     Manifest,
@@ -16,11 +16,11 @@ from device_sdk.package import (
     canonical_json,
     level_byte_ranges,
     read_manifest,
-    read_tensor_prefix,
     sign_manifest,
     verify_package,
     verify_signature,
 )
+from device_sdk.package import read_tensor_prefix
 from pipeline.elastify import ElastifySettings, elastify
 from pipeline.models import describe_architecture
 from pipeline.profile import ProfileSettings, profile

@@ -13,7 +13,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_sdk import registry as registry_module
-from device_sdk.package import MANIFEST, WEIGHTS, PackageError, canonical_json
+from device_sdk.format import MANIFEST, WEIGHTS, PackageError, canonical_json
 from device_sdk.registry import pull, read_local_state
 from device_sdk.runtime import ElasticModel
 from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, signing_key, tiny_package

@@ -7,7 +7,7 @@ import torch
 
 from device_sdk import kernels
 from device_sdk.elastic import ElasticLinear
-from device_sdk.package import PackageError, read_manifest
+from device_sdk.format import PackageError, read_manifest
 from device_sdk.runtime import ElasticModel
 from pipeline.elastic_model import ElasticCausalLM
 from tests.tiny import TINY_CONFIGS
@@ -118,7 +118,7 @@ def test_sdk_level_lora_switches_with_level(tmp_path):
 
 
 def test_sdk_partial_copy_refuses_larger_levels(tmp_path):
-    from device_sdk.package import atomic_write_bytes, canonical_json
+    from device_sdk.format import atomic_write_bytes, canonical_json
     from device_sdk.registry import LOCAL_STATE
 
     _, package = tiny_package("llama_mha", tmp_path / "pkg", KEY)
