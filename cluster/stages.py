@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from cluster.packages import register_package
 from cluster.registry import Registry, Resources, Shard, StageRegistration
-from device_sdk.package import level_name
+from device_sdk.format import level_name
 
 # The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus).
 MODEL_STAGE = Resources(num_cpus=2)
