@@ -8,11 +8,11 @@ import threading
 
 import httpx
 import pytest
-from cluster.stages import builtin_registry
 
 from api.app import ServerThread, create_app
 from api.auth import create_token
 from cluster.packages import alias_key
+from cluster.stages import builtin_registry
 from device_sdk.format import MANIFEST, verify_package
 from tests.api_support import sse_events
 from tests.integration import services

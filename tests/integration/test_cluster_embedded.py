@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from cluster.stages import ELASTILM_STAGES
 
 from cluster.embedded import running_service
 from cluster.scheduler import Scheduler, SchedulerLockError
 from cluster.service import build_summary, submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
+from cluster.stages import ELASTILM_STAGES
 from device_sdk.format import verify_package
 from tests.tiny import save_tiny
 

@@ -6,13 +6,13 @@ The ElastiLM stages are switched off here; tests/integration/test_elastilm_chain
 from __future__ import annotations
 
 import pytest
-from cluster.stages import builtin_registry
 from sqlalchemy import select
 
 from cluster.models import Alias, Package
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
+from cluster.stages import builtin_registry
 from device_sdk.format import verify_package
 from tests.integration.control_plane import make_settings, small_elastic_spec, started
 
