@@ -70,12 +70,25 @@ def _tokenized(tokenizer, source: str) -> torch.Tensor:
 
 def make_windows(tokenizer, sources: str | list[str], count: int, length: int, seed: int = 0) -> torch.Tensor:
     """`count` non-overlapping windows of `length` tokens, drawn at seeded positions: [count, length]."""
-    if count <= 0 or length <= 1:
-        raise CalibrationError(f"need count >= 1 and length >= 2, got count={count}, length={length}")
     sources = [sources] if isinstance(sources, str) else list(sources)
     if not sources:
         raise CalibrationError("no calibration sources given")
-    tokens = torch.cat([_tokenized(tokenizer, source) for source in sources])
+    return cut_windows(torch.cat([_tokenized(tokenizer, source) for source in sources]), count, length, seed)
+
+
+def text_windows(tokenizer, texts: list[str], count: int, length: int, seed: int = 0) -> torch.Tensor:
+    """`make_windows` over given texts (joined like a corpus file's rows) instead of named sources."""
+    text = "\n\n".join(texts)
+    if not text.strip():
+        raise CalibrationError("the given texts are empty")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return cut_windows(torch.tensor(ids, dtype=torch.long), count, length, seed)
+
+
+def cut_windows(tokens: torch.Tensor, count: int, length: int, seed: int) -> torch.Tensor:
+    """`count` non-overlapping `length`-token windows of `tokens` at seeded slots: [count, length]."""
+    if count <= 0 or length <= 1:
+        raise CalibrationError(f"need count >= 1 and length >= 2, got count={count}, length={length}")
     slots = tokens.numel() // length
     if slots < count:
         raise CalibrationError(
