@@ -20,12 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from device_sdk.format import Manifest, PackageError, expert_entries
+from device_sdk.lora import LoRA, read_adapter
 
 MODES = ("soft", "top1", "uniform")
-LoRA = tuple[torch.Tensor, torch.Tensor, float]  # (A [r, in], B [out, r], scale)
 
 
 class ExpertRouter:
@@ -62,27 +61,6 @@ class ExpertRouter:
         return [self.names[i] for i in cos.argmax(-1).tolist()]
 
 
-def read_lora(path: Path) -> dict[str, LoRA]:
-    """`model.layers.N.<kind>.<proj>` -> (A, B, scale) of a unit-major adapter file."""
-    with safe_open(str(path), framework="pt") as handle:
-        meta = handle.metadata() or {}
-        if "scale" in meta:
-            scale = float(meta["scale"])
-        elif "alpha" in meta and "rank" in meta:
-            scale = float(meta["alpha"]) / float(meta["rank"])
-        else:
-            raise PackageError(f"{path.name} has neither `scale` nor `alpha` and `rank` in its metadata")
-        tensors = {name: handle.get_tensor(name).float() for name in handle.keys()}
-    pairs = {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A"):
-            base = name.removesuffix(".lora_A")
-            pairs[base] = (a, tensors[f"{base}.lora_B"], scale)
-    if not pairs:
-        raise PackageError(f"{path.name} holds no lora_A/lora_B pairs")
-    return pairs
-
-
 def fit_to_width(lora: LoRA, unit_axis: str, active_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A full-width LoRA cut to a projection's active prefix (outputs of row-unit, inputs of column-unit)."""
     a, b, _ = lora
@@ -116,7 +94,7 @@ class ExpertSet:
             raise PackageError("this package has no experts")
         router = ExpertRouter([e.name for e in entries], torch.tensor([e.centroid for e in entries]),
                               float(manifest.experts.get("temperature", 0.05)))
-        adapters = {e.name: read_lora(Path(package_dir) / e.adapter) for e in entries}
+        adapters = {e.name: read_adapter(Path(package_dir) / e.adapter) for e in entries}
         encoder = MiniLMEncoder.load(Path(package_dir) / manifest.experts["encoder"])
         return cls(router, adapters, encoder)
 

