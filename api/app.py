@@ -25,6 +25,8 @@ from api.routes import EXAMPLES, builds, health, packages, usage
 from cluster.db import make_engine, session_factory
 from cluster.registry import Registry
 from cluster.settings import Settings
+from cluster.spec import spec_model
+from pipeline import chain
 
 MAX_BODY_BYTES = 1 << 20
 
@@ -32,16 +34,15 @@ MAX_BODY_BYTES = 1 << 20
 def create_app(settings: Settings, registry: Registry | None = None, *,
                ready_checks: dict[str, Callable[[], str]] | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app over `settings` (database, store, signing key); the database must be migrated already."""
-    from cluster.stages import builtin_registry
-
+    """The app over `settings` (database, store, signing key) and the stages of `registry` (default: the
+    ElastiLM and CLONE stages of pipeline.chain); the database must be migrated already."""
     app = FastAPI(title="Elastify", version="1", summary="Build elastic LLM packages; follow builds; download packages.")
     engine = make_engine(settings.database_url)
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessions = session_factory(engine)
     app.state.store = settings.store.open()
-    app.state.registry = registry or builtin_registry()
+    app.state.registry = registry or default_registry()
     app.state.metrics = job_store_registry(app.state.sessions)
     app.state.ready_checks = ready_checks if ready_checks is not None else {
         "database": health.database_check(app.state.sessions),
@@ -50,10 +51,17 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     }
     problems.install(app)
     app.add_middleware(problems.BodyLimit, limit=max_body_bytes)
+    # Submit takes the registry's BuildSpec, so the OpenAPI document shows every stage's settings.
+    app.include_router(builds.submit_router(spec_model(app.state.registry)))
     for module in (builds, packages, usage, health, dashboard):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, max_body_bytes)
     return app
+
+
+def default_registry() -> Registry:
+    """The stages this service runs: pipeline.chain's, handed to the control plane (which names none)."""
+    return Registry(chain.STAGES)
 
 
 def app_from_env() -> FastAPI:

@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.schemas import Problem
 from cluster.service import IdempotencyConflict, QuotaExceeded, StateConflict
-from cluster.spec import SpecError
+from cluster.spec import SpecError, validation_problems
 
 PROBLEM_JSON = "application/problem+json"
 PROBLEMS = "https://elastify.dev/problems/"
@@ -66,7 +66,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError):
-        errors = [(".".join(str(p) for p in e["loc"]) or "(request)", e["msg"]) for e in err.errors()]
+        # A build spec's unknown stages and settings are described with what the registry allows.
+        errors = [(field if field != "(document)" else "(request)", message)
+                  for field, message in validation_problems(err.errors(), registry=request.app.state.registry)]
         return problem_response(request.url.path, 422, "the request is invalid", kind="invalid-request",
                                 errors=errors)
 

@@ -68,21 +68,23 @@ def collect_on_ray(workers: int, package: Path, own: dict, shards: int, home: Pa
     import ray
 
     from cluster.db import migrate
-    from cluster.registry import Registry, Resources, Shard, StageRegistration
+    from cluster.registry import Registry
     from cluster.scheduler import Scheduler
     from cluster.service import submit_build
     from cluster.settings import Settings
     from cluster.spec import parse_spec
+    from pipeline.chain import run_clone_collect
+    from pipeline.contract import Resources, Shard, Stage
 
-    registry = Registry([StageRegistration(
-        name="clone-collect", function="pipeline.clone_collect:run", inputs={"package": "source.model"},
-        outputs=("records",), resources=Resources(num_cpus=1), settings_schema="pipeline.clone_collect:CollectSettings",
+    registry = Registry([Stage(
+        name="clone-collect", run=run_clone_collect, settings=CollectSettings, inputs={"package": "source.model"},
+        outputs=("records",), resources=Resources(num_cpus=1),
         fan_out=lambda spec, settings: [Shard(str(i), {"shard": i, "shards": shards}) for i in range(shards)],
     )])
 
     def run(settings: Settings, stage_settings: dict) -> Scheduler:
         spec = parse_spec({"source": {"model": str(package)}, "levels": [1.0], "publish": {"name": "b", "version": "1"},
-                           "stages": {"clone-collect": {"settings": stage_settings}}})
+                           "stages": {"clone-collect": {"settings": stage_settings}}}, registry)
         migrate(settings.database_url)
         scheduler = Scheduler(settings, registry).start()
         scheduler.run_until_done([submit_build(scheduler.sessions, spec, registry)], timeout=3600)

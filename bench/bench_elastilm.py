@@ -135,6 +135,7 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
     """
     import ray
 
+    from pipeline.chain import run_label
     from tests.integration import services
     from workers.ray_tasks import submit
     from workers.runner import ExternalInput, StageTask
@@ -143,9 +144,9 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
     def task(index: int, tag: str) -> StageTask:
         return StageTask(
             build_id=f"bench-{workers}-{tag}", stage_id=index, stage_key=f"label[{index}]", attempt=1,
-            function="pipeline.label:run",
+            run=run_label,
             inputs={"package": ExternalInput(str(package)), "tlm": ExternalInput(str(tlm_dir))},
-            outputs=("correctness", "meta"), settings={**settings, "shard": index, "shards": shards},
+            outputs=("correctness", "meta"), settings=label.LabelSettings(**settings, shard=index, shards=shards),
             store=StoreConfig(str(home / f"store-{workers}")), output_prefix=f"bench/{workers}/{tag}/{index}")
 
     ray.shutdown()
@@ -198,20 +199,20 @@ def main() -> None:
         if reuse and (args.out / f"recover-{name}" / "recover.json").is_file():
             recovered[name] = json.loads((args.out / f"recover-{name}" / "recover.json").read_text())
             continue
-        settings = {"level": name, "steps": args.recover_steps, "batch_size": 2, "seq_len": 128, "eval_windows": 8,
-                    "lr": 5e-4, "warmup_steps": 2}
+        settings = recover.RecoverSettings(level=name, steps=args.recover_steps, batch_size=2, seq_len=128,
+                                           eval_windows=8, lr=5e-4, warmup_steps=2)
         outputs = stage(f"recover {name}", lambda n=name, s=settings: recover.run(
             {"package": package}, s, StageContext(work_dir=args.out / f"recover-{n}")))
         recovered[name] = json.loads(Path(outputs["metrics"]).read_text())
         recover.install_adapters(package, {name: outputs["adapter"]})
     if not (reuse and read_manifest(package).latency_profile):
-        lat = stage("latency", lambda: latency.run({"package": package}, {"prompt_lengths": [32, 128], "repeats": 2},
+        lat = stage("latency", lambda: latency.run({"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=2),
                                                    StageContext(work_dir=args.out / "latency"))["latency"])
         latency.apply_latency(package, json.loads(Path(lat).read_text()))
     score = args.out / "tlm-score" / "tlm"
     if not (reuse and score.is_dir()):
         score = stage("tlm-score", lambda: tlm.run_score(
-            {"package": package}, {"passages": 48, "passage_words": 80, "steps": 120, "lr": 1e-4},
+            {"package": package}, tlm.ScoreSettings(passages=48, passage_words=80, steps=120, lr=1e-4),
             StageContext(work_dir=args.out / "tlm-score")))["tlm"]
 
     def sweep(name, start, per_task):
@@ -222,21 +223,21 @@ def main() -> None:
                 shards[f"correctness.{index}"] = done / "correctness.safetensors"
                 shards[f"meta.{index}"] = done / "correctness.json"
                 continue
-            settings = {"tasks": [task], "start": start, "stop": start + per_task, "per_task": None, "ratios": ratios}
+            settings = label.LabelSettings(tasks=[task], start=start, stop=start + per_task, per_task=None, ratios=ratios)
             out = label.run({"package": package, "tlm": score}, settings,
                             StageContext(work_dir=args.out / f"{name}-{task}"))
             shards[f"correctness.{index}"], shards[f"meta.{index}"] = out["correctness"], out["meta"]
         return shards
 
     train_shards = stage("label train", lambda: sweep("label-train", 0, args.train_items))
-    labels_path = label.run_derive({"package": package, **train_shards}, {},
+    labels_path = label.run_derive({"package": package, **train_shards}, label.DeriveSettings(),
                                    StageContext(work_dir=args.out / "derive"))["labels"]
     heads = {}
     for policy, rule in (("ours", "capable"), ("lightest", "lightest")):
         trained = args.out / f"decision-{rule}" / "tlm"
         if not (reuse and trained.is_dir()):
             trained = stage(f"tlm-decision {rule}", lambda r=rule: tlm.run_decision(
-                {"tlm": score, "labels": labels_path}, {"rule": r, "steps": args.decision_steps, "batch_size": 8},
+                {"tlm": score, "labels": labels_path}, tlm.DecisionSettings(rule=r, steps=args.decision_steps, batch_size=8),
                 StageContext(work_dir=args.out / f"decision-{r}")))["tlm"]
         heads[policy] = tlm.load_tlm(trained)
     test_shards = stage("label held-out", lambda: sweep("label-test", 300, args.test_items))

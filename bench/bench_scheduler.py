@@ -26,13 +26,15 @@ from sqlalchemy import select  # noqa: E402
 
 from cluster.db import migrate  # noqa: E402
 from cluster.models import Attempt, Stage  # noqa: E402
-from cluster.registry import Registry, Resources, Shard, StageRegistration  # noqa: E402
+from cluster.registry import Registry  # noqa: E402
 from cluster.scheduler import Scheduler  # noqa: E402
 from cluster.service import submit_build  # noqa: E402
 from cluster.settings import Settings  # noqa: E402
 from cluster.spec import parse_spec  # noqa: E402
+from pipeline.contract import Resources, Shard  # noqa: E402
 from tests.integration import services  # noqa: E402
 from tests.integration.control_plane import FAST, chain_registry  # noqa: E402
+from workers import testing  # noqa: E402
 
 console = Console()
 
@@ -55,7 +57,7 @@ def noop_throughput(database_url: str, store: Path, builds: int) -> dict:
     """Throughput with a deep pipeline; overhead with at most one stage per Ray CPU in flight, so
     that no stage waits in Ray's queue and what is left is the scheduler's own cost."""
     settings = Settings(home=store.parent, database_url=database_url, store_url=str(store), **FAST)
-    registry = chain_registry("workers.testing:noop")
+    registry = chain_registry(testing.noop)
 
     def specs(run: str):
         return [_spec({"first": {"tag": f"{run}{i}a"}, "second": {"tag": f"{run}{i}b"}, "third": {"tag": f"{run}{i}c"}})
@@ -80,9 +82,9 @@ def fanout_seconds(workers: int, shards: int, iterations: int, home: Path) -> fl
     """Wall time of one fanned-out CPU-bound stage (first shard leased → last shard recorded)."""
     import ray
 
-    registry = Registry([StageRegistration(
-        name="burn", function="workers.testing:burn", outputs=("out",), resources=Resources(num_cpus=1),
-        fan_out=lambda spec, own: [Shard(str(i), {"tag": f"s{i}"}) for i in range(shards)],
+    registry = Registry([testing.tiny_stage(
+        "burn", testing.burn, resources=Resources(num_cpus=1),
+        fan_out=lambda spec, settings: [Shard(str(i), {"tag": f"s{i}"}) for i in range(shards)],
     )])
     ray.shutdown()
     with services.ray_head(num_cpus=workers, num_gpus=0):

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.registry import SOURCE_PREFIX, Registry, StageRegistration, input_refs
-from cluster.spec import BuildSpec, SpecError
+from pydantic import ValidationError
+
+from cluster.registry import Registry
+from cluster.spec import BuildSpec, SpecError, StageSpec, validation_problems
+from pipeline.contract import SOURCE_PREFIX, Stage, StageSettings, input_refs
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class PlannedStage:
     key: str
     type: str
     shard: str | None
-    settings: dict[str, Any]
+    settings: StageSettings  # validated; stored as its JSON, rebuilt with model_validate on dispatch
     resources: dict[str, Any]
     max_attempts: int
     inputs: dict[str, UpstreamInput | ExternalPath] = field(default_factory=dict)
@@ -36,17 +39,16 @@ def _source(spec: BuildSpec, name: str) -> str | None:
     return str(value) if value is not None else None
 
 
-def enabled_stages(spec: BuildSpec, registry: Registry) -> list[StageRegistration]:
-    return [
-        r for r in registry if (spec.stages[r.name].enabled if r.name in spec.stages else r.enabled_by_default)
-    ]
+def enabled_stages(spec: BuildSpec, registry: Registry) -> list[Stage]:
+    given = spec.given_stages()
+    return [s for s in registry if (given[s.name].enabled if s.name in given else s.enabled_by_default)]
 
 
-def _topological(stages: list[StageRegistration], problems: list[tuple[str, str]]) -> list[StageRegistration]:
+def _topological(stages: list[Stage], problems: list[tuple[str, str]]) -> list[Stage]:
     by_name = {s.name: s for s in stages}
     ordered, state = [], {}
 
-    def visit(stage: StageRegistration, path: tuple[str, ...]) -> None:
+    def visit(stage: Stage, path: tuple[str, ...]) -> None:
         if state.get(stage.name) == "done":
             return
         if state.get(stage.name) == "active":
@@ -77,28 +79,29 @@ def _first_enabled(refs: tuple[str, ...], shards_of: dict) -> str:
 def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
     """Validate the spec against the registry and expand it into DAG nodes in dependency order."""
     problems: list[tuple[str, str]] = []
-    for name in spec.stages:
+    for name in spec.given_stages():
         if name not in registry:
             problems.append((f"stages.{name}", f"unknown stage; registered stages: {sorted(r.name for r in registry)}"))
     stages = _topological(enabled_stages(spec, registry), problems)
     planned: list[PlannedStage] = []
     shards_of: dict[str, list[PlannedStage]] = {}
-    for registration in stages:
-        own = spec.stage(registration.name)
-        allowed = registration.allowed_settings()
-        unknown = sorted(set(own.settings) - allowed) if allowed is not None else []
-        for key in unknown:
-            problems.append((f"stages.{registration.name}.settings.{key}", f"unknown setting; allowed: {sorted(allowed)}"))
+    for stage in stages:
+        own = spec.given_stages().get(stage.name) or StageSpec()
+        try:
+            settings = stage.settings_for(spec, own.settings)
+        except ValidationError as err:
+            problems += validation_problems(err.errors(), ("stages", stage.name, "settings"), registry)
+            settings = None
         inputs: dict[str, UpstreamInput | ExternalPath] = {}
-        for name, refs in registration.inputs.items():
+        for name, refs in stage.inputs.items():
             ref = _first_enabled(input_refs(refs), shards_of)
             producer, _, output = ref.partition(".")
             if ref.startswith(SOURCE_PREFIX):
                 path = _source(spec, output)
-                if path is None and name in registration.optional_inputs:
+                if path is None and name in stage.optional_inputs:
                     continue
                 if path is None:
-                    problems.append((f"source.{output}", f"required by stage {registration.name}"))
+                    problems.append((f"source.{output}", f"required by stage {stage.name}"))
                 else:
                     inputs[name] = ExternalPath(path)
             elif producer in shards_of:
@@ -107,33 +110,32 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
                     inputs[name] = UpstreamInput(upstream[0].key, output)
                 else:
                     inputs.update({f"{name}.{u.shard}": UpstreamInput(u.key, output) for u in upstream})
-            elif name not in registration.optional_inputs:
-                problems.append((f"stages.{registration.name}", f"input {name!r} needs stage {producer!r}, which is not enabled"))
+            elif name not in stage.optional_inputs:
+                problems.append((f"stages.{stage.name}", f"input {name!r} needs stage {producer!r}, which is not enabled"))
         if problems:
-            shards_of[registration.name] = []  # keep going to report every problem, not knock-on ones
+            shards_of[stage.name] = []  # keep going to report every problem, not knock-on ones
             continue
-        settings = registration.pipeline_settings(spec, own.settings)
-        resources = registration.resources.as_dict()
+        resources = stage.resources.as_dict()
         if own.resources is not None:
             resources |= {k: v for k, v in own.resources.model_dump().items() if v is not None}
-        max_attempts = own.max_attempts or registration.max_attempts
-        shards = registration.fan_out(spec, own.settings) if registration.fan_out else None
+        max_attempts = own.max_attempts or stage.max_attempts
+        shards = stage.fan_out(spec, settings) if stage.fan_out else None
         if shards == []:
-            problems.append((f"stages.{registration.name}", "fans out to no shards with these settings; disable it"))
-            shards_of[registration.name] = []
+            problems.append((f"stages.{stage.name}", "fans out to no shards with these settings; disable it"))
+            shards_of[stage.name] = []
             continue
         nodes = (
-            [PlannedStage(registration.name, registration.name, None, settings, resources, max_attempts, inputs)]
+            [PlannedStage(stage.name, stage.name, None, settings, resources, max_attempts, inputs)]
             if shards is None
             else [
                 PlannedStage(
-                    f"{registration.name}[{s.label}]", registration.name, s.label, {**settings, **s.settings},
-                    resources, max_attempts, dict(inputs),
+                    f"{stage.name}[{s.label}]", stage.name, s.label,
+                    stage.shard_settings(settings, s), resources, max_attempts, dict(inputs),
                 )
                 for s in shards
             ]
         )
-        shards_of[registration.name] = nodes
+        shards_of[stage.name] = nodes
         planned += nodes
     if problems:
         raise SpecError(problems)

@@ -32,16 +32,14 @@ def connect_ray(settings: Settings, num_cpus: int | None = None) -> None:
 
 
 @contextlib.contextmanager
-def running_service(settings: Settings, registry: Registry | None = None) -> Iterator[Scheduler]:
-    """Migrate the database, make the signing key on first start, join Ray, start a scheduler."""
-    from cluster.stages import builtin_registry
-
+def running_service(settings: Settings, registry: Registry) -> Iterator[Scheduler]:
+    """Migrate the database, make the signing key on first start, join Ray, start a scheduler of `registry`."""
     settings.home.mkdir(parents=True, exist_ok=True)
     migrate(settings.database_url)
     if is_sqlite(settings.database_url) and not os.environ.get("ELASTIFY_SIGNING_KEY"):
         settings.ensure_signing_key()
     connect_ray(settings)
-    scheduler = Scheduler(settings, registry or builtin_registry()).start()
+    scheduler = Scheduler(settings, registry).start()
     log.info("scheduler %s: database %s, store %s", scheduler.owner, settings.database_url, settings.store_url)
     try:
         yield scheduler

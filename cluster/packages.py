@@ -41,10 +41,10 @@ def name_owner(session, name: str) -> str | None:
 
 
 def register_package(ctx) -> None:
-    """on_success hook of the publish stage (ctx: cluster.scheduler.HookContext)."""
+    """Register the package a stage made (its `publishes` output; ctx: cluster.scheduler.PublishContext)."""
     target = ctx.build.spec["publish"]
     name, version, aliases = target["name"], target["version"], target.get("aliases", [])
-    ref = ctx.outputs["package"]
+    ref = ctx.package
     index = ctx.store.read_index(ref)
     manifest_sha = next((f["sha256"] for f in index["files"] if f["path"] == MANIFEST), None)
     if manifest_sha is None:

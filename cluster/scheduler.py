@@ -31,10 +31,12 @@ from sqlalchemy.orm import aliased
 from cluster.db import is_sqlite, make_engine, session_factory
 from cluster.fingerprint import path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
-from cluster.registry import Registry, StageRegistration
+from cluster.packages import register_package
+from cluster.registry import Registry
 from cluster.settings import Settings
 from cluster.states import TERMINAL, Status, advance
 from device_sdk.format import canonical_json
+from pipeline import contract
 from workers.ray_tasks import submit
 from workers.runner import ExternalInput, StageTask
 from workers.store import ArtifactRef, StoreError
@@ -61,7 +63,7 @@ class Inflight:
     stage_id: int
     build_id: str
     stage_key: str
-    registration: StageRegistration
+    registration: contract.Stage
     attempt_id: int
     number: int
     num_gpus: float
@@ -69,14 +71,14 @@ class Inflight:
 
 
 @dataclass
-class HookContext:
-    """What a registration's on_success hook gets: the finished stage and the services."""
+class PublishContext:
+    """What cluster.packages.register_package gets: the stage that made a package, and the services."""
 
     sessions: Any
     store: Any
     build: Build
     stage: Stage
-    outputs: dict[str, ArtifactRef]
+    package: ArtifactRef  # the stage's output named by its `publishes`
 
 
 def backoff_seconds(settings: Settings, attempts: int) -> float:
@@ -267,7 +269,7 @@ class Scheduler:
             inputs[edge.name] = ArtifactRef(artifact.uri, artifact.digest, artifact.size)
         return inputs
 
-    def _cache_key(self, stage: Stage, registration: StageRegistration, inputs, runtime: dict[str, str]) -> str:
+    def _cache_key(self, stage: Stage, registration: contract.Stage, inputs, runtime: dict[str, str]) -> str:
         digests = {
             name: ref.digest if isinstance(ref, ArtifactRef) else path_fingerprint(ref.path)
             for name, ref in inputs.items()
@@ -283,7 +285,7 @@ class Scheduler:
         }
         return hashlib.sha256(canonical_json(material)).hexdigest()
 
-    def _cached_outputs(self, session, stage: Stage, registration: StageRegistration) -> dict[str, ArtifactRef] | None:
+    def _cached_outputs(self, session, stage: Stage, registration: contract.Stage) -> dict[str, ArtifactRef] | None:
         donors = session.scalars(
             select(Stage.id).where(Stage.cache_key == stage.cache_key, Stage.status == Status.SUCCEEDED.value,
                                    Stage.id != stage.id).order_by(Stage.id.desc()).limit(5)
@@ -304,6 +306,8 @@ class Scheduler:
             registration = self.registry.get(stage.type)
             try:
                 inputs = self._inputs(session, stage)
+                # The same Settings the spec was validated into at submit, rebuilt from its stored JSON.
+                settings = registration.settings.model_validate(stage.settings)
                 runtime = {name: self.runtime[name].provide(build) for name in registration.runtime}
                 if build.spec.get("cache", True):
                     stage.cache_key = self._cache_key(stage, registration, inputs, runtime)
@@ -318,7 +322,7 @@ class Scheduler:
                 session.add(Event(build_id=build.id, stage_id=stage.id, kind="state", message="cache hit"))
         if cached is not None:
             try:
-                self._run_hook(registration, stage_id, cached)
+                self._register_package(registration, stage_id, cached)
             except Exception as err:
                 with self.sessions.begin() as session:
                     stage = session.get(Stage, stage_id)
@@ -339,8 +343,8 @@ class Scheduler:
             session.flush()
             task = StageTask(
                 build_id=stage.build_id, stage_id=stage.id, stage_key=stage.key, attempt=number,
-                function=registration.function, inputs=inputs, outputs=registration.outputs,
-                settings=dict(stage.settings), store=self.settings.store,
+                run=registration.run, inputs=inputs, outputs=registration.outputs,
+                settings=settings, store=self.settings.store,
                 output_prefix=f"builds/{stage.build_id}/{stage.key}/a{number}", runtime=runtime,
             )
             info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)
@@ -380,7 +384,7 @@ class Scheduler:
     def _record(self, info: Inflight, result: dict[str, Any], exit_reason: str | None) -> None:
         if result["ok"]:
             try:
-                self._run_hook(info.registration, info.stage_id, result["outputs"])
+                self._register_package(info.registration, info.stage_id, result["outputs"])
             except Exception as err:  # e.g. PublishRefused (permanent) or the store went away (retry)
                 result = {**result, "ok": False, "error": f"{type(err).__name__}: {err}",
                           "retryable": isinstance(err, StoreError)}
@@ -389,13 +393,14 @@ class Scheduler:
         if result["ok"]:
             self._succeed(info.stage_id, result["outputs"], cache_hit=False)
 
-    def _run_hook(self, registration: StageRegistration, stage_id: int, outputs: dict[str, ArtifactRef]) -> None:
-        if registration.on_success is None:
+    def _register_package(self, registration: contract.Stage, stage_id: int, outputs: dict[str, ArtifactRef]) -> None:
+        """A stage whose output is a finished package (`publishes`): register it under the spec's publish target."""
+        if registration.publishes is None:
             return
         with self.sessions() as session:
             stage = session.get(Stage, stage_id)
             build = session.get(Build, stage.build_id)
-        registration.on_success(HookContext(self.sessions, self.store, build, stage, outputs))
+        register_package(PublishContext(self.sessions, self.store, build, stage, outputs[registration.publishes]))
 
     def _finish_attempt(self, info: Inflight, result: dict[str, Any], exit: str) -> None:
         """Record the attempt's compute and outcome; on failure retry, fail or cancel the stage."""

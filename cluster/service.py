@@ -169,7 +169,8 @@ def _insert_build(session: Session, spec: BuildSpec, spec_hash: str, planned, te
     rows = {}
     for node in planned:
         rows[node.key] = Stage(
-            build_id=build.id, key=node.key, type=node.type, shard=node.shard, settings=node.settings,
+            build_id=build.id, key=node.key, type=node.type, shard=node.shard,
+            settings=node.settings.model_dump(mode="json"),
             resources=node.resources, max_attempts=node.max_attempts,
         )
         session.add(rows[node.key])

@@ -1,7 +1,10 @@
 """BuildSpec: what a user asks for (YAML or JSON), validated before anything is written.
 
-Structural checks come from pydantic; stage names and stage settings are checked against the
-registry by `cluster.dag.validate_spec`, and every problem is reported at once with its field.
+`spec_model(registry)` is the BuildSpec of one registry: `stages` has one optional field per
+registered stage whose `settings` is that stage's pydantic Settings model, so an unknown stage,
+an unknown setting or a bad value is an error at parse time, every one reported with its field
+(`stages.elastify.settings.align`), and the OpenAPI document shows every stage's settings.
+A plain `BuildSpec` (no registry) keeps settings as dicts; `cluster.dag.plan` checks them then.
 """
 
 from __future__ import annotations
@@ -12,9 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    field_serializer,
+    field_validator,
+    model_serializer,
+)
 
 from device_sdk.format import canonical_json
+from pipeline.settings import DEFAULT_CALIBRATION, DEFAULT_LEVELS, Levels
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
@@ -49,9 +62,33 @@ class ResourcesSpec(Strict):
 
 class StageSpec(Strict):
     enabled: bool = True
-    settings: dict[str, Any] = Field(default_factory=dict)
+    # A dict in a plain BuildSpec; the stage's Settings model (None: the defaults) in a registry's (spec_model).
+    settings: dict[str, Any] | BaseModel | None = Field(default_factory=dict)
     max_attempts: int | None = Field(default=None, ge=1, le=20)
     resources: ResourcesSpec | None = None
+
+    @field_serializer("settings")
+    def _settings_as_given(self, settings):
+        """Only what the user set, so a spec's JSON and content hash are what was submitted (typed or not)."""
+        if isinstance(settings, BaseModel):
+            return settings.model_dump(mode="json", exclude_unset=True)
+        return settings if settings is not None else {}
+
+
+class StagesSpec(Strict):
+    """Base of a registry's `stages` model: one optional field per stage, named as the stage is."""
+
+    model_config = ConfigDict(extra="forbid", serialize_by_alias=True, validate_by_name=False)
+
+    def given(self) -> dict[str, StageSpec]:
+        """The stages the spec names, by stage name."""
+        return {field.alias or name: getattr(self, name) for name, field in type(self).model_fields.items()
+                if getattr(self, name) is not None}
+
+    @model_serializer(mode="wrap")
+    def _named_only(self, handler) -> dict[str, Any]:
+        """The stages the spec names, nothing else, so the JSON is what was submitted."""
+        return {name: value for name, value in handler(self).items() if value is not None}
 
 
 class PublishSpec(Strict):
@@ -79,30 +116,41 @@ class PublishSpec(Strict):
 
 class BuildSpec(Strict):
     source: SourceSpec
-    calibration: list[str] = Field(default_factory=lambda: ["ptb:train"], min_length=1)
-    levels: list[float] = Field(default_factory=lambda: [round(0.2 + 0.1 * i, 1) for i in range(9)], min_length=1)
+    calibration: list[str] = Field(default_factory=lambda: list(DEFAULT_CALIBRATION), min_length=1)
+    levels: Levels = Field(default_factory=lambda: list(DEFAULT_LEVELS))
     stages: dict[str, StageSpec] = Field(default_factory=dict)
     publish: PublishSpec
     cache: bool = True
 
-    @field_validator("levels")
-    @classmethod
-    def _levels(cls, levels: list[float]) -> list[float]:
-        if any(not 0.0 < m <= 1.0 for m in levels):
-            raise ValueError("every level must be in (0, 1]")
-        if any(b <= a for a, b in zip(levels, levels[1:], strict=False)):
-            raise ValueError("levels must be strictly increasing")
-        return levels
-
-    def stage(self, name: str) -> StageSpec:
-        return self.stages.get(name) or StageSpec()
+    def given_stages(self) -> dict[str, StageSpec]:
+        """The stages the spec names (enabled or not), by stage name."""
+        return self.stages.given() if isinstance(self.stages, StagesSpec) else dict(self.stages)
 
     def content_hash(self) -> str:
         return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
 
 
-def parse_spec(data: dict | str | bytes | Path) -> BuildSpec:
-    """Parse a spec from a dict, YAML/JSON text, or a file; raise SpecError naming every bad field."""
+def spec_model(registry) -> type[BuildSpec]:
+    """The BuildSpec of `registry` (a cluster.registry.Registry): every stage's settings typed."""
+    fields = {}
+    for stage in registry:
+        stage_spec = create_model(
+            f"{_camel(stage.name)}StageSpec", __base__=StageSpec,
+            settings=(stage.settings | None, Field(default=None, description=f"settings of stage {stage.name}")),
+        )
+        fields[stage.name.replace("-", "_")] = (stage_spec | None, Field(default=None, alias=stage.name))
+    stages = create_model("Stages", __base__=StagesSpec, **fields)
+    return create_model("BuildSpec", __base__=BuildSpec, stages=(stages, Field(default_factory=stages)))
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.replace("_", "-").split("-"))
+
+
+def parse_spec(data: dict | str | bytes | Path, registry=None) -> BuildSpec:
+    """Parse a spec from a dict, YAML/JSON text, or a file; raise SpecError naming every bad field.
+
+    With a registry, stage names and every stage's settings are checked too (spec_model)."""
     if isinstance(data, Path):
         data = data.read_text()
     if isinstance(data, (str, bytes)):
@@ -113,10 +161,29 @@ def parse_spec(data: dict | str | bytes | Path) -> BuildSpec:
     if not isinstance(data, dict):
         raise SpecError([("(document)", "a build spec must be a mapping")])
     try:
-        return BuildSpec.model_validate(data)
+        return (BuildSpec if registry is None else spec_model(registry)).model_validate(data)
     except ValidationError as err:
-        problems = [(".".join(str(p) for p in e["loc"]) or "(document)", e["msg"]) for e in err.errors()]
-        raise SpecError(problems) from None
+        raise SpecError(validation_problems(err.errors(), registry=registry)) from None
+
+
+def validation_problems(errors: list[dict], prefix: tuple = (), registry=None) -> list[tuple[str, str]]:
+    """(field, message) per pydantic error; the field is dotted, e.g. `stages.elastify.settings.align`.
+
+    An unknown stage or setting is described with what the registry allows. A leading `body`
+    (FastAPI's location of a request body) is kept in the field name.
+    """
+    problems = []
+    for error in errors:
+        loc = (*prefix, *error["loc"])
+        where = loc[1:] if loc[:1] == ("body",) else loc
+        message = error["msg"]
+        if error["type"] == "extra_forbidden" and registry is not None and where[:1] == ("stages",):
+            if len(where) == 2:
+                message = f"unknown stage; registered stages: {sorted(stage.name for stage in registry)}"
+            elif len(where) == 4 and where[2] == "settings" and where[1] in registry:
+                message = f"unknown setting; allowed: {sorted(registry.get(where[1]).settings.model_fields)}"
+        problems.append((".".join(map(str, loc)) or "(document)", message))
+    return problems
 
 
 def dump_spec(spec: BuildSpec) -> str:

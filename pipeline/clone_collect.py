@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,95 +27,14 @@ import torch
 from device_sdk.format import Manifest, atomic_write_bytes, read_manifest
 from device_sdk.latency import EnergyProfile
 from pipeline.calibration import make_windows
-from pipeline.elastify import ElastifySettings, layer_widths
+from pipeline.elastify import layer_widths
 from pipeline.latency import RequestCost, host_constants, request_cost, widths_cost
+from pipeline.settings import CollectSettings, ElastifySettings
 from pipeline.stage import StageContext
-
-STRATEGIES = ("uniform", "layer_drop", "anchor_weighted", "random")
-DEFAULT_BINS = [round(0.1 * i, 1) for i in range(11)]
 
 
 class CloneError(ValueError):
     """CLONE settings, budgets or inputs that cannot produce profiles."""
-
-
-@dataclass
-class Budget:
-    """A (T, E) budget: latency and energy of one request, as fractions of the full model's or absolute."""
-
-    name: str
-    latency: float | None = None  # fraction of the full model's predicted request latency
-    energy: float | None = None  # fraction of its predicted request energy
-    latency_ms: float | None = None
-    energy_j: float | None = None
-
-    def resolve(self, full: RequestCost) -> tuple[float, float]:
-        """(T ms, E J); a side given neither way is unbounded."""
-        t = self.latency_ms if self.latency_ms is not None else (
-            self.latency * full.latency_ms if self.latency is not None else math.inf)
-        e = self.energy_j if self.energy_j is not None else (
-            self.energy * full.energy_j if self.energy is not None else math.inf)
-        return t, e
-
-
-@dataclass
-class CollectSettings:
-    budgets: list[dict] = field(default_factory=list)  # Budget fields; at least one
-    samples: int = 64  # vectors over all shards
-    strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
-    ratio_bins: list[float] = field(default_factory=lambda: list(DEFAULT_BINS))
-    align: int = 32  # MLP widths move in steps of this many neurons
-    corpus: list[str] = field(default_factory=lambda: ["ptb:valid"])  # held-out text for perplexity
-    windows: int = 4
-    window_length: int = 128
-    batch_size: int = 4
-    prompt_tokens: int = 128  # the request the cost model prices
-    decode_tokens: int = 128
-    alpha: float = 2.0
-    beta: float = 2.0
-    joules_per_flop: float | None = None  # None: EnergyProfile's documented default
-    joules_per_byte: float | None = None
-    seed: int = 0
-    shard: int = 0
-    shards: int = 1
-
-    def validate(self) -> None:
-        if not self.budgets:
-            raise CloneError("clone needs at least one budget, e.g. {name: fast, latency: 0.6, energy: 0.6}")
-        for budget in self.budget_list():
-            if budget.latency is None and budget.latency_ms is None and budget.energy is None and budget.energy_j is None:
-                raise CloneError(f"budget {budget.name!r} sets neither a latency nor an energy limit")
-            for value in (budget.latency, budget.energy, budget.latency_ms, budget.energy_j):
-                if value is not None and not value > 0:
-                    raise CloneError(f"budget {budget.name!r}: limits must be positive, got {value}")
-        names = [b.name for b in self.budget_list()]
-        if len(set(names)) != len(names):
-            raise CloneError(f"budget names must be unique; got {names}")
-        unknown = set(self.strategies) - set(STRATEGIES)
-        if unknown or not self.strategies:
-            raise CloneError(f"strategies must be a non-empty subset of {STRATEGIES}; got {self.strategies}")
-        bins = self.ratio_bins
-        if len(bins) < 2 or any(b <= a for a, b in zip(bins, bins[1:], strict=False)) or bins[0] < 0 or bins[-1] != 1.0:
-            raise CloneError(f"ratio_bins must increase within [0, 1] and end at 1.0; got {bins}")
-        if self.samples < 1 or self.windows < 1 or self.window_length < 2 or self.align < 1:
-            raise CloneError("samples, windows and align must be >= 1 and window_length >= 2")
-        if not 0 <= self.shard < self.shards:
-            raise CloneError(f"shard {self.shard} is outside 0..{self.shards - 1}")
-        if self.prompt_tokens < 1 or self.decode_tokens < 0:
-            raise CloneError("prompt_tokens must be >= 1 and decode_tokens >= 0")
-
-    def budget_list(self) -> list[Budget]:
-        try:
-            return [Budget(**b) for b in self.budgets]
-        except TypeError as err:
-            raise CloneError(f"a budget is malformed: {err}") from None
-
-    def energy(self) -> EnergyProfile:
-        default = EnergyProfile()
-        if self.joules_per_flop is None and self.joules_per_byte is None:
-            return default
-        return EnergyProfile(self.joules_per_flop or default.joules_per_flop,
-                             self.joules_per_byte or default.joules_per_byte, source="build settings")
 
 
 # --------------------------------------------------------------------------- the score
@@ -244,12 +163,21 @@ class CostContext:
     budgets: dict[str, tuple[float, float]]  # name -> (T ms, E J)
 
 
+def energy_profile(settings: CollectSettings) -> EnergyProfile:
+    """The energy constants to price requests with: the settings' where given, else EnergyProfile's defaults."""
+    default = EnergyProfile()
+    if settings.joules_per_flop is None and settings.joules_per_byte is None:
+        return default
+    return EnergyProfile(settings.joules_per_flop or default.joules_per_flop,
+                         settings.joules_per_byte or default.joules_per_byte, source="build settings")
+
+
 def cost_context(manifest: Manifest, settings: CollectSettings, latency_report: dict | None = None,
                  element_size: int = 4) -> CostContext:
     """Resolve the budgets against the full model; refuse any that no configuration can meet."""
     arch = manifest.architecture
     host = host_constants(manifest, latency_report, element_size)
-    energy = settings.energy()
+    energy = energy_profile(settings)
 
     def price(attn, mlp) -> RequestCost:
         cost = widths_cost(manifest, attn, mlp, element_size)
@@ -258,7 +186,7 @@ def cost_context(manifest: Manifest, settings: CollectSettings, latency_report: 
     full = price([arch.kv_heads] * arch.layers, [arch.intermediate] * arch.layers)
     floor = price(*bins_to_widths(manifest, [0] * arch.layers, settings))
     budgets = {}
-    for budget in settings.budget_list():
+    for budget in settings.budgets:
         t, e = budget.resolve(full)
         if t < floor.latency_ms or e < floor.energy_j:
             raise CloneError(
@@ -278,7 +206,6 @@ class Collector:
 
         from pipeline.elastic_model import ElasticCausalLM
 
-        settings.validate()
         self.settings = settings
         self.package_dir = Path(package_dir)
         self.manifest = read_manifest(self.package_dir)
@@ -320,7 +247,7 @@ class Collector:
                 for name, (t, e) in self.costs.budgets.items()}
 
     def header(self) -> dict:
-        return {"settings": asdict(self.settings), "host": self.costs.host, "energy": asdict(self.costs.energy),
+        return {"settings": self.settings.model_dump(mode="json"), "host": self.costs.host, "energy": asdict(self.costs.energy),
                 "full": asdict(self.costs.full), "floor": asdict(self.costs.floor),
                 "budgets": {name: {"latency_ms": _finite(t), "energy_j": _finite(e)}
                             for name, (t, e) in self.costs.budgets.items()}}
@@ -363,9 +290,8 @@ def read_records(paths: list[Path]) -> tuple[dict, list[dict]]:
     return header, records
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], options: CollectSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package", optional "latency"} -> {"records": records.json} for this shard."""
-    options = CollectSettings(**settings)
     report = json.loads(Path(inputs["latency"]).read_text()) if "latency" in inputs else None
     result = collect(Path(inputs["package"]), options, ctx, report)
     out = ctx.work_dir / "records.json"

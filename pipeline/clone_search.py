@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,37 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
-from pipeline.clone_collect import CloneError, Collector, CollectSettings, read_records
+from pipeline.clone_collect import CloneError, Collector, read_records
+from pipeline.settings import CollectSettings, SearchSettings
 from pipeline.stage import StageContext
 
 MSE_WEIGHT = 0.05  # the rest, 0.95, weighs the reconstruction NLL
-
-
-@dataclass
-class SearchSettings:
-    top_records: int = 256  # records (of one budget, best first) the controller trains on
-    augment: int = 4  # nudged copies per record
-    epochs: int = 200
-    batch_size: int = 128
-    lr: float = 1e-3
-    seeds: int = 20  # top-k records the gradient ascent starts from
-    candidates: int = 40  # N new vectors per budget and round
-    rounds: int = 3  # train, generate, measure; each round learns from the last one's measurements
-    step_size: float = 0.05  # λ = step_size · 1, 2, 3, … (per-layer state norms) until N candidates exist
-    max_steps: int = 30
-    beam_width: int = 5
-    # False: the profile is the best CLONE score, so it may overrun its budget by as much as the score's
-    # (T/t)^β·(E/e)^α penalty allows. True: only configurations within the budget qualify.
-    strict: bool = False
-    seed: int = 0
-
-    def validate(self) -> None:
-        if min(self.top_records, self.epochs, self.batch_size, self.seeds, self.candidates, self.rounds,
-               self.beam_width, self.max_steps) < 1:
-            raise CloneError("top_records, epochs, batch_size, seeds, candidates, rounds, beam_width and max_steps "
-                             "must be >= 1")
-        if self.augment < 0 or not self.step_size > 0 or not self.lr > 0:
-            raise CloneError("augment must be >= 0, step_size and lr > 0")
 
 
 # --------------------------------------------------------------------------- the controller
@@ -253,7 +226,6 @@ def one_thread(fn, *args):
 def search(package_dir: Path, record_paths: list[Path], settings: SearchSettings, ctx: StageContext,
            latency_report: dict | None = None) -> dict:
     """Train a controller per budget, generate and measure candidates, pick one profile per budget."""
-    settings.validate()
     header, records = read_records(record_paths)
     collect_settings = CollectSettings(**{**header["settings"], "shard": 0, "shards": 1})
     vocab = len(collect_settings.ratio_bins)
@@ -314,11 +286,11 @@ def install_profiles(package_dir: Path, profiles_path: Path) -> None:
     rewrite_manifest(Path(package_dir), manifest)
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], settings: SearchSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package", "records.<shard>"…, optional "latency"} -> {"profiles": profiles.json}."""
     paths = [Path(p) for key, p in sorted(inputs.items()) if key == "records" or key.startswith("records.")]
     report = json.loads(Path(inputs["latency"]).read_text()) if "latency" in inputs else None
-    result = search(Path(inputs["package"]), paths, SearchSettings(**settings), ctx, report)
+    result = search(Path(inputs["package"]), paths, settings, ctx, report)
     out = ctx.work_dir / "profiles.json"
     atomic_write_bytes(out, json.dumps(result, indent=1, allow_nan=False).encode())
     for name, entry in result["clone"]["profiles"].items():

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import tempfile
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,10 +21,9 @@ import torch
 from device_sdk.format import Architecture, Elastic, ElasticTensor, Level, level_name
 from device_sdk.package import write_package
 from pipeline.profile import Importance
+from pipeline.settings import ElastifySettings
 from pipeline.stage import StageContext
 
-DEFAULT_LEVELS = tuple(round(0.2 + 0.1 * i, 1) for i in range(9))
-ORDERS = ("taylor", "random")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -38,33 +36,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 class ElastifyError(ValueError):
     """Settings that cannot produce a valid elastic package."""
-
-
-@dataclass
-class ElastifySettings:
-    levels: list[float] = field(default_factory=lambda: list(DEFAULT_LEVELS))
-    anchor_fraction: float = 0.2
-    align: int = 32
-    min_units: int = 1
-    order: str = "taylor"  # "random" is the ablation baseline
-    seed: int = 0
-    dtype: str = "float32"
-
-    def validate(self) -> None:
-        if not self.levels:
-            raise ElastifyError("levels must not be empty")
-        if any(not 0.0 < m <= 1.0 for m in self.levels):
-            raise ElastifyError(f"every level must be in (0, 1]; got {self.levels}")
-        if any(b <= a for a, b in zip(self.levels, self.levels[1:], strict=False)):
-            raise ElastifyError(f"levels must be strictly increasing; got {self.levels}")
-        if not 0.0 <= self.anchor_fraction < 1.0:
-            raise ElastifyError(f"anchor_fraction must be in [0, 1); got {self.anchor_fraction}")
-        if self.align < 1 or self.min_units < 1:
-            raise ElastifyError("align and min_units must be at least 1")
-        if self.order not in ORDERS:
-            raise ElastifyError(f"order must be one of {ORDERS}; got {self.order!r}")
-        if self.dtype not in DTYPES:
-            raise ElastifyError(f"dtype must be one of {sorted(DTYPES)}; got {self.dtype!r}")
 
 
 # --------------------------------------------------------------------------- decisions
@@ -226,7 +197,6 @@ def reorder_state(
 
 def build_elastic(model, arch: Architecture, importance: Importance, settings: ElastifySettings):
     """The package's tensors (unit-major, in the package dtype) and its `elastic` manifest section."""
-    settings.validate()
     if len(importance.attn) != arch.layers:
         raise ElastifyError(f"importance covers {len(importance.attn)} layers, the model has {arch.layers}")
     anchors = choose_anchors(importance.layers, settings.anchor_fraction)
@@ -295,25 +265,25 @@ def elastify(
     return manifest
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"model", "importance"} -> outputs {"package": dir}."""
+def run(inputs: dict[str, Path], settings: ElastifySettings, ctx: StageContext) -> dict[str, Path]:
+    """Stage entry: inputs {"model", "importance"} -> outputs {"package": dir}; ctx.runtime may give the build_id."""
     from pipeline.models import load_model
 
     loaded = load_model(inputs["model"])
-    options = dict(settings)
-    identity = {k: options.pop(k) for k in ("name", "version", "build_id") if k in options}
     out = ctx.work_dir / "package"
     elastify(
         loaded.model,
         loaded.tokenizer,
         loaded.architecture,
         Importance.load(Path(inputs["importance"])),
-        ElastifySettings(**options),
+        settings,
         out,
+        name=settings.name,
+        version=settings.version,
+        build_id=ctx.runtime.get("build_id"),
         source=loaded.source,
         ctx=ctx,
         overwrite=True,
-        **identity,
     )
     return {"package": out}
 

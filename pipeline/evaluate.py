@@ -14,6 +14,7 @@ from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifes
 from pipeline.calibration import make_windows
 from pipeline.elastic_model import ElasticCausalLM
 from pipeline.lm import perplexity
+from pipeline.settings import ReportCardSettings
 from pipeline.stage import StageContext
 
 REPORT_FILE = "report.json"
@@ -84,22 +85,6 @@ class PublishGateError(ValueError):
 
     A ValueError so that workers treat it as permanent: the same inputs fail the same way.
     """
-
-
-@dataclass
-class ReportCardSettings:
-    corpora: list[str] = field(default_factory=lambda: ["ptb:test", "lambada"])
-    windows: int = 8
-    window_length: int = 128
-    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "sciq"])
-    items_start: int = 300  # held out: labelling uses the first items of each task
-    items: int = 40
-    prompt_tokens: int = 128  # the prompt length latency is reported at
-    measure_latency: bool = True
-    ppl_noise: float = 0.02  # relative band on perplexity
-    accuracy_noise: float | None = None  # absolute band; None: two binomial standard errors
-    gate: bool = True
-    seed: int = 1
 
 
 def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageContext, profile=None) -> dict:
@@ -179,7 +164,7 @@ def check_gate(card: dict, ppl_noise: float = 0.02, accuracy_noise: float | None
                                "level's adapter is wrong:\n  " + "\n  ".join(failures))
 
 
-def run_card(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run_card(inputs: dict[str, Path], options: ReportCardSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `evaluate`: inputs {"package", optional "latency"} -> {"report_card": json}.
 
     Raises PublishGateError when the gate fails. The card is written before the gate is
@@ -187,7 +172,6 @@ def run_card(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict
     """
     from pipeline.latency import profile_from_dict
 
-    options = ReportCardSettings(**settings)
     profile = None
     if "latency" in inputs:
         profile = profile_from_dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -23,13 +22,13 @@ from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifes
 from pipeline.label import MCItem, load_task
 from pipeline.recover import (
     IGNORE,
-    RecoverSettings,
     add_lora,
     level_submodel,
     save_adapter,
     train_torch,
     unit_major_adapter,
 )
+from pipeline.settings import ExpertSettings
 from pipeline.stage import StageContext
 
 ENCODER_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -38,43 +37,6 @@ PACKAGE_ENCODER = "experts/encoder"
 
 class ExpertsError(ValueError):
     """Expert settings or data that cannot train or route experts."""
-
-
-@dataclass
-class ExpertSettings:
-    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "piqa", "sciq", "mmlu:high_school_mathematics"])
-    train_items: int = 64  # the first items of each task train its expert and make its centroid
-    held_out: int = 32  # the next items measure routing
-    steps: int = 40
-    batch_size: int = 4
-    seq_len: int = 256
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    lr: float = 5e-4
-    temperature: float = 0.05  # τ of the soft router
-    encoder: str | None = None  # a sentence-transformers BERT dir; None: the packaged all-MiniLM-L6-v2
-    seed: int = 0
-
-    def validate(self) -> None:
-        if not self.tasks:
-            raise ExpertsError("the expert set is empty: give at least one task in `tasks`")
-        if len(set(self.tasks)) != len(self.tasks):
-            raise ExpertsError(f"tasks must be unique; got {self.tasks}")
-        if self.train_items < 1 or self.held_out < 0 or self.steps < 1 or self.batch_size < 1 or self.rank < 1:
-            raise ExpertsError("train_items, steps, batch_size and rank must be >= 1, held_out >= 0")
-        if not self.temperature > 0:
-            raise ExpertsError(f"temperature must be positive, got {self.temperature}")
-
-    def encoder_dir(self) -> Path:
-        from pipeline.assets import minilm_dir
-
-        return Path(self.encoder) if self.encoder else minilm_dir()
-
-    def recover_settings(self, level: str) -> RecoverSettings:
-        return RecoverSettings(level=level, steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
-                               rank=self.rank, alpha=self.alpha, dropout=self.dropout, lr=self.lr, seed=self.seed,
-                               warmup_steps=min(5, self.steps))
 
 
 def expert_name(task: str) -> str:
@@ -152,14 +114,14 @@ def train_expert(package_dir: Path, tokenizer, train: list[MCItem], held_out: li
     recover = settings.recover_settings(full)
     torch.manual_seed(settings.seed)
     hf = level_submodel(model, full)
-    check = answer_batches(tokenizer, held_out or train, ExpertSettings(**{**asdict(settings), "steps": 2}))
+    check = answer_batches(tokenizer, held_out or train, settings.model_copy(update={"steps": 2}))
     before = answer_loss(hf, check)
     peft_model = add_lora(hf, recover)
     losses = train_torch(peft_model, hf, answer_batches(tokenizer, train, settings), recover,
                          _renamed(ctx, f"experts: train {name}"))
     after = answer_loss(hf, check)
     save_adapter(unit_major_adapter(peft_model), out_dir / f"{name}.safetensors",
-                 RecoverSettings(**{**asdict(recover), "level": name}))
+                 recover.model_copy(update={"level": name}))
     return {"held_out_loss_before": before, "held_out_loss_after": after, "train_loss_last": losses[-1]}
 
 
@@ -174,7 +136,6 @@ def build_experts(package_dir: Path, settings: ExpertSettings, out_dir: Path, ct
 
     from device_sdk.encoder import MiniLMEncoder
 
-    settings.validate()
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder = MiniLMEncoder.load(settings.encoder_dir())
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
@@ -191,7 +152,7 @@ def build_experts(package_dir: Path, settings: ExpertSettings, out_dir: Path, ct
                      "task": task} for (name, centre), task in zip(centres.items(), settings.tasks, strict=True)],
         "router_accuracy": accuracy,
         "training": training,
-        "settings": asdict(settings),
+        "settings": settings.model_dump(mode="json"),
     }
     atomic_write_bytes(out_dir / "experts.json", json.dumps(report, indent=1).encode())
     return report
@@ -206,7 +167,7 @@ def install_experts(package_dir: Path, experts_dir: Path) -> None:
     report = json.loads((experts_dir / "experts.json").read_text())
     if not report.get("experts"):
         raise ExpertsError(f"{experts_dir} lists no experts")
-    encoder_dir = ExpertSettings(**report["settings"]).encoder_dir()
+    encoder_dir = ExpertSettings.model_validate(report["settings"]).encoder_dir()
     entries = []
     for expert in report["experts"]:
         relative = f"adapters/experts/{expert['name']}.safetensors"
@@ -223,10 +184,10 @@ def install_experts(package_dir: Path, experts_dir: Path) -> None:
     rewrite_manifest(package_dir, manifest)
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], settings: ExpertSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package"} -> {"experts": dir with <name>.safetensors and experts.json}."""
     out = ctx.work_dir / "experts"
-    report = build_experts(Path(inputs["package"]), ExpertSettings(**settings), out, ctx)
+    report = build_experts(Path(inputs["package"]), settings, out, ctx)
     ctx.logger.info("experts: %d trained, router accuracy %.3f on held-out prompts", len(report["experts"]),
                     report["router_accuracy"]["overall"])
     return {"experts": out}

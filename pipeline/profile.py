@@ -12,7 +12,7 @@ block influence `1 − cos(h_in, h_out)` as the cheap option.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,31 +22,10 @@ from safetensors.torch import load_file, save_file
 from device_sdk.format import Architecture, atomic_write_bytes
 from pipeline.calibration import make_windows
 from pipeline.lm import nll_from_hidden, nll_sum
+from pipeline.settings import ProfileSettings
 from pipeline.stage import StageContext
 
-TAYLOR_MODES = ("param_first", "vectorize")
-LAYER_METHODS = ("loo", "block_influence")
 IMPORTANCE_FILE = "importance.safetensors"
-
-
-@dataclass
-class ProfileSettings:
-    calibration: list[str] = field(default_factory=lambda: ["ptb:train"])
-    windows: int = 16
-    window_length: int = 128
-    seed: int = 0
-    layer_windows: int = 8  # leave-one-out costs ~L/2 forwards per window, so it gets fewer
-    taylor: str = "param_first"
-    layer_method: str = "loo"
-    batch_size: int = 4
-
-    def validate(self) -> None:
-        if self.taylor not in TAYLOR_MODES:
-            raise ValueError(f"taylor must be one of {TAYLOR_MODES}, not {self.taylor!r}")
-        if self.layer_method not in LAYER_METHODS:
-            raise ValueError(f"layer_method must be one of {LAYER_METHODS}, not {self.layer_method!r}")
-        if self.windows < 1 or self.window_length < 2:
-            raise ValueError("calibration needs windows >= 1 and window_length >= 2")
 
 
 @dataclass
@@ -241,7 +220,6 @@ def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: i
 
 
 def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx: StageContext) -> Importance:
-    settings.validate()
     windows = make_windows(tokenizer, settings.calibration, settings.windows, settings.window_length, settings.seed)
     ctx.report("unit importance (taylor)", 0, 1)
     attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
@@ -251,16 +229,16 @@ def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx
         layers = layer_importance_loo(model, layer_windows, settings.batch_size, ctx)
     else:
         layers = layer_importance_block_influence(model, layer_windows, settings.batch_size)
-    meta = {"settings": asdict(settings), "calibration_loss": loss, "layer_scores": layers.tolist()}
+    meta = {"settings": settings.model_dump(mode="json"), "calibration_loss": loss, "layer_scores": layers.tolist()}
     return Importance(attn=attn, mlp=mlp, layers=layers, meta=meta)
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], settings: ProfileSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}."""
     from pipeline.models import load_model
 
     loaded = load_model(inputs["model"])
-    result = profile(loaded.model, loaded.tokenizer, loaded.architecture, ProfileSettings(**settings), ctx)
+    result = profile(loaded.model, loaded.tokenizer, loaded.architecture, settings, ctx)
     out = ctx.work_dir / IMPORTANCE_FILE
     result.save(out)
     atomic_write_bytes(ctx.work_dir / "importance.json", json.dumps(result.meta, indent=2).encode())

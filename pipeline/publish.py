@@ -15,6 +15,7 @@ from pathlib import Path
 
 from device_sdk.format import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
 from pipeline.clone_search import install_profiles
+from pipeline.contract import StageSettings
 from pipeline.evaluate import apply_quality
 from pipeline.experts import install_experts
 from pipeline.latency import apply_latency
@@ -67,12 +68,13 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[
     return out_dir
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"package", optional extras (see INSTALLERS)}, settings {"signing_key": PEM} -> {"package"}."""
-    if not settings.get("signing_key"):
+def run(inputs: dict[str, Path], settings: StageSettings, ctx: StageContext) -> dict[str, Path]:
+    """Stage entry: inputs {"package", optional extras (see INSTALLERS)} -> {"package"}, signed with
+    ctx.runtime["signing_key"] (Ed25519 private key, PEM). Publish has no settings of its own."""
+    signing_key = ctx.runtime.get("signing_key")
+    if not signing_key:
         raise ValueError("publish needs a signing_key (Ed25519 private key, PEM)")
     extras = {name: Path(path) for name, path in inputs.items() if name != "package"}
-    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(settings["signing_key"]),
-                          extras)
+    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(signing_key), extras)
     ctx.logger.info("installed %s and signed the manifest of %s", sorted(extras) or "nothing", out)
     return {"package": out}

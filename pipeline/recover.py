@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,11 +27,12 @@ from torch import nn
 from device_sdk.elastic import ElasticLinear
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.calibration import make_windows
+from pipeline.contract import StageSettings
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
+from pipeline.settings import RecoverSettings
 from pipeline.stage import StageContext
 
 PROJECTIONS = ATTN_PROJ + MLP_PROJ
-BACKENDS = ("torch", "deepspeed")
 IGNORE = -100  # label of prompt and padding tokens: no loss
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{with_input}. "
@@ -43,39 +43,6 @@ ALPACA_PROMPT = (
 
 class RecoverError(ValueError):
     """Recovery settings or data that cannot train a level's LoRA."""
-
-
-@dataclass
-class RecoverSettings:
-    level: str  # one task per level
-    corpus: list[str] = field(default_factory=lambda: ["ptb:train"])
-    instructions: str | None = None  # alpaca or chat JSONL; replaces `corpus`, loss on responses only
-    eval_corpus: list[str] = field(default_factory=lambda: ["ptb:valid"])
-    steps: int = 200
-    batch_size: int = 4
-    seq_len: int = 256
-    eval_windows: int = 16
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.05
-    lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    targets: list[str] = field(default_factory=lambda: list(PROJECTIONS))
-    seed: int = 0
-    backend: str = "torch"
-    zero_stage: int = 2
-
-    def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise RecoverError(f"backend must be one of {BACKENDS}; got {self.backend!r}")
-        unknown = set(self.targets) - set(PROJECTIONS)
-        if unknown or not self.targets:
-            raise RecoverError(f"targets must be a non-empty subset of {PROJECTIONS}; got {self.targets}")
-        if self.steps < 1 or self.batch_size < 1 or self.seq_len < 2 or self.rank < 1:
-            raise RecoverError("steps, batch_size and rank must be >= 1 and seq_len >= 2")
-        if self.zero_stage not in (0, 1, 2):
-            raise RecoverError("zero_stage must be 0, 1 or 2 (stage 3 would partition the shared base weights)")
 
 
 # --------------------------------------------------------------------------- the sub-model
@@ -337,7 +304,8 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     """Train the level's LoRA; write peft format and the unit-major adapter; return metrics."""
     from transformers import AutoTokenizer
 
-    settings.validate()
+    if settings.level is None:
+        raise RecoverError("recover trains one level: set `level` (the chain's fan-out sets one per shard)")
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
     if settings.instructions:
@@ -367,7 +335,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         "train_loss_first": losses[0],
         "train_loss_last": losses[-1],
         "steps": len(losses),
-        "settings": asdict(settings),
+        "settings": settings.model_dump(mode="json"),
     }
 
 
@@ -460,9 +428,8 @@ def install_adapters(package_dir: Path, adapters: dict[str, Path]) -> None:
     rewrite_manifest(package_dir, manifest)
 
 
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], options: RecoverSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package": dir} -> {"adapter": <level>.safetensors, "peft": dir, "metrics": json}."""
-    options = RecoverSettings(**settings)
     out = ctx.work_dir
     out.mkdir(parents=True, exist_ok=True)
     metrics = recover_level(Path(inputs["package"]), options, out, ctx)
@@ -473,7 +440,7 @@ def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str,
     return {"adapter": out / f"{options.level}.safetensors", "peft": out / "peft", "metrics": metrics_path}
 
 
-def run_install(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run_install(inputs: dict[str, Path], settings: StageSettings, ctx: StageContext) -> dict[str, Path]:
     """Fan-in entry: inputs {"package": dir, "adapter.<level>": file, …} -> {"package": dir with adapters}.
 
     The package is copied (weights hard-linked where the filesystem allows) so the input stays immutable.

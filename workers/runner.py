@@ -1,4 +1,4 @@
-"""One stage attempt on a worker: fetch inputs, call the pipeline function, store outputs.
+"""One stage attempt on a worker: fetch inputs, call the stage's run function, store outputs.
 
 Plain Python with no Ray in it, so it is testable alone; `workers.ray_tasks` wraps it. The
 result is a small dict (artifact refs, wall and CPU seconds, or a classified error) — never
@@ -7,7 +7,6 @@ an exception for a stage-level failure, so that time spent on failed attempts is
 
 from __future__ import annotations
 
-import importlib
 import logging
 import tempfile
 import time
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.contract import StageRun, StageSettings
 from pipeline.stage import StageContext
 from workers.store import ArtifactRef, StoreConfig, StoreError
 
@@ -37,20 +37,13 @@ class StageTask:
     stage_id: int
     stage_key: str
     attempt: int
-    function: str  # "module:function" with the stage contract run(inputs, settings, ctx) -> outputs
+    run: StageRun  # the Stage's module-level run(inputs, settings, ctx): Ray pickles it by reference
     inputs: dict[str, ArtifactRef | ExternalInput]
     outputs: tuple[str, ...]
-    settings: dict[str, Any]
+    settings: StageSettings  # the stage's validated Settings instance
     store: StoreConfig
     output_prefix: str  # builds/<build>/<stage>/a<attempt>
-    runtime: dict[str, Any] = field(default_factory=dict)  # merged into settings, never cached or stored
-
-
-def resolve_function(path: str) -> Callable:
-    module, _, name = path.partition(":")
-    if not module or not name:
-        raise ValueError(f"stage function {path!r} must look like 'package.module:function'")
-    return getattr(importlib.import_module(module), name)
+    runtime: dict[str, str] = field(default_factory=dict)  # ctx.runtime: never cached or stored
 
 
 class _EventLogHandler(logging.Handler):
@@ -76,7 +69,8 @@ def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> S
             emit({"kind": "progress", "message": name, "data": {"done": done, "total": total}})
 
     # The logger already receives every progress line from StageContext; don't repeat them often.
-    return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0)
+    return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0,
+                        runtime=dict(task.runtime))
 
 
 def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:
@@ -99,16 +93,15 @@ def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict
     result: dict[str, Any]
     try:
         store = task.store.open()
-        function = resolve_function(task.function)
         with tempfile.TemporaryDirectory(prefix=f"elastify-{task.stage_key}-") as scratch:
             scratch = Path(scratch)
             inputs = _fetch(task, store, scratch)
             ctx = _context(task, scratch / "work", emit)
             ctx.work_dir.mkdir()
-            outputs = function(inputs, {**task.settings, **task.runtime}, ctx)
+            outputs = task.run(inputs, task.settings, ctx)
             missing = set(task.outputs) - set(outputs or {})
             if missing:
-                raise ValueError(f"stage function {task.function} did not return outputs {sorted(missing)}")
+                raise ValueError(f"stage {task.stage_key} did not return outputs {sorted(missing)}")
             refs = {name: store.put_artifact(f"{task.output_prefix}/{name}", Path(outputs[name])) for name in task.outputs}
         result = {"ok": True, "outputs": refs}
     except StoreError as err:

@@ -33,13 +33,13 @@ def up(
     """
     import contextlib
 
-    from api.app import ServerThread, create_app
+    from api.app import ServerThread, create_app, default_registry
     from cluster.embedded import running_service
     from cluster.settings import Settings
 
     configure_logging()
     settings = Settings.from_env()
-    with running_service(settings) as scheduler:
+    with running_service(settings, default_registry()) as scheduler:
         api = ServerThread(create_app(settings, scheduler.registry), host, port) if port else contextlib.nullcontext()
         with api:
             console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
@@ -60,13 +60,15 @@ def build_submit(
     idempotency_key: str | None = typer.Option(None),
 ) -> None:
     """Validate a spec and queue the build; a running `elastify up` picks it up."""
+    from api.app import default_registry
     from cluster.service import submit_build
     from cluster.settings import Settings
     from cluster.spec import SpecError, parse_spec
-    from cluster.stages import builtin_registry
 
+    registry = default_registry()
     try:
-        build_id = submit_build(_sessions(Settings.from_env()), parse_spec(spec), builtin_registry(), tenant, idempotency_key)
+        build_id = submit_build(_sessions(Settings.from_env()), parse_spec(spec, registry), registry, tenant,
+                                idempotency_key)
     except SpecError as err:
         fail(str(err))
         return
@@ -206,6 +208,7 @@ def cancel_stale_demos(sessions, current_key: str) -> list[str]:
 
 def embedded_demo() -> None:
     """Build SmolLM2-135M end to end in embedded mode and print the package path and stage times."""
+    from api.app import default_registry
     from cluster.embedded import running_service
     from cluster.packages import package_prefix
     from cluster.service import build_summary, submit_build
@@ -215,10 +218,11 @@ def embedded_demo() -> None:
 
     configure_logging()
     settings = Settings.from_env()
-    spec = parse_spec(demo_spec(prepare_smollm2(progress=log.info)))
+    registry = default_registry()
+    spec = parse_spec(demo_spec(prepare_smollm2(progress=log.info)), registry)
     started = time.perf_counter()
     key = f"{DEMO_KEY_PREFIX}{spec.content_hash()}"
-    with running_service(settings) as scheduler:
+    with running_service(settings, registry) as scheduler:
         # Keyed by content: an interrupted demo resumes its build, a finished one is shown again.
         cancel_stale_demos(scheduler.sessions, key)
         build_id = submit_build(scheduler.sessions, spec, scheduler.registry, idempotency_key=key)

@@ -61,16 +61,14 @@ def elastify_command(
     from pipeline.stage import StageContext
 
     configure_logging()
-    elastic_settings = ElastifySettings(
-        levels=_float_list(levels, "--levels"), anchor_fraction=anchor_fraction, align=align, order=order, seed=seed
-    )
-    profile_settings = ProfileSettings(
-        calibration=calib, windows=windows, window_length=window_length, seed=seed, taylor=taylor,
-        layer_method=layer_method,
-    )
-    try:
-        elastic_settings.validate()
-        profile_settings.validate()
+    try:  # a bad setting is a pydantic ValidationError (a ValueError) naming the field
+        elastic_settings = ElastifySettings(
+            levels=_float_list(levels, "--levels"), anchor_fraction=anchor_fraction, align=align, order=order, seed=seed
+        )
+        profile_settings = ProfileSettings(
+            calibration=calib, windows=windows, window_length=window_length, seed=seed, taylor=taylor,
+            layer_method=layer_method,
+        )
         if out.exists() and not overwrite:
             fail(f"{out} already exists (use --overwrite to replace it)")
         started = time.perf_counter()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cluster.registry import Registry, Resources, Shard, StageRegistration
+from cluster.registry import Registry
 from cluster.scheduler import Scheduler
 from cluster.settings import Settings
 from cluster.spec import parse_spec
+from pipeline.contract import Resources, Shard
+from workers import testing
 
 FAST = dict(lease_seconds=3.0, retry_base_seconds=0.2, retry_max_seconds=1.0, poll_seconds=0.02)
 
@@ -21,17 +23,15 @@ def make_settings(tmp_path: Path, database_url: str, store, **overrides) -> Sett
     return settings
 
 
-def chain_registry(function: str = "workers.testing:noop", resources: Resources = Resources(num_cpus=1),
+def chain_registry(run=testing.noop, resources: Resources = Resources(num_cpus=1),
                    max_attempts: int = 3, fan_out: bool = False) -> Registry:
-    """first -> second (optionally fanned out per level) -> third, all running `function`."""
-    shards = (lambda spec, own: [Shard(str(m), {"level": m}) for m in spec.levels]) if fan_out else None
+    """first -> second (optionally fanned out per level) -> third, all running `run` (a workers.testing stage)."""
+    shards = (lambda spec, settings: [Shard(str(m), {"level": m}) for m in spec.levels]) if fan_out else None
     return Registry([
-        StageRegistration(name="first", function=function, outputs=("out",), resources=resources,
-                          max_attempts=max_attempts),
-        StageRegistration(name="second", function=function, inputs={"x": "first.out"}, outputs=("out",),
-                          resources=resources, max_attempts=max_attempts, fan_out=shards),
-        StageRegistration(name="third", function=function, inputs={"y": "second.out"}, outputs=("out",),
-                          resources=resources, max_attempts=max_attempts),
+        testing.tiny_stage("first", run, resources=resources, max_attempts=max_attempts),
+        testing.tiny_stage("second", run, inputs={"x": "first.out"}, resources=resources, max_attempts=max_attempts,
+                           fan_out=shards),
+        testing.tiny_stage("third", run, inputs={"y": "second.out"}, resources=resources, max_attempts=max_attempts),
     ])
 
 
@@ -46,7 +46,7 @@ def small_elastic_spec(model_dir: Path, name: str, aliases: list[str]) -> dict:
 
     The ElastiLM stages are off; tests/integration/test_elastilm_chain.py runs them.
     """
-    from cluster.stages import ELASTILM_STAGES
+    from pipeline.chain import ELASTILM_STAGES
 
     return {
         "source": {"model": str(model_dir)},

@@ -17,10 +17,11 @@ from control_plane import FAST, chain_registry
 
 from cluster.scheduler import Scheduler
 from cluster.settings import Settings
+from workers import testing
 
 REGISTRIES = {
-    "chain-noop": lambda: chain_registry("workers.testing:noop"),
-    "chain-sleep-fanout": lambda: chain_registry("workers.testing:sleep", fan_out=True),
+    "chain-noop": lambda: chain_registry(testing.noop),
+    "chain-sleep-fanout": lambda: chain_registry(testing.sleep, fan_out=True),
 }
 
 

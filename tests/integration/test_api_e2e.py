@@ -9,10 +9,9 @@ import threading
 import httpx
 import pytest
 
-from api.app import ServerThread, create_app
+from api.app import ServerThread, create_app, default_registry
 from api.auth import create_token
 from cluster.packages import alias_key
-from cluster.stages import builtin_registry
 from device_sdk.format import MANIFEST, verify_package
 from tests.api_support import sse_events
 from tests.integration import services
@@ -40,7 +39,7 @@ def _download(client: httpx.Client, url: str, dest, headers: dict, cut: int | No
 
 def test_smollm2_build_end_to_end_through_the_api(tmp_path, smollm2_dir, pg_url, s3_store, ray_cluster):
     settings = make_settings(tmp_path, pg_url, s3_store, lease_seconds=30.0)
-    registry = builtin_registry()
+    registry = default_registry()
     scheduler = started(settings, registry)
     stop = threading.Event()
     loop = threading.Thread(target=scheduler.run, kwargs={"until": stop.is_set}, daemon=True)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from cluster.stages import ELASTILM_STAGES
+from pipeline.chain import ELASTILM_STAGES
 from tests.integration import services
 from tests.tiny import save_tiny
 

@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
+from api.app import default_registry
 from cluster.db import migrate
 from cluster.registry import Registry
 from cluster.scheduler import Scheduler
 from cluster.service import build_summary, submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
-from cluster.stages import builtin_registry
 from tests.integration.control_plane import FAST
 from tests.unit.sdk_packages import signing_key, tiny_package
 
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 def clone_registry() -> Registry:
     """The built-in clone stages, reading a ready package from the spec's source instead of elastify."""
-    builtin = builtin_registry()
+    builtin = default_registry()
     return Registry([
         replace(builtin.get("clone-collect"), inputs={"package": "source.model"}, optional_inputs=frozenset()),
         replace(builtin.get("clone-search"), inputs={"package": "source.model", "records": "clone-collect.records"},

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from api.app import default_registry
 from cluster.embedded import running_service
 from cluster.scheduler import Scheduler, SchedulerLockError
 from cluster.service import build_summary, submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
-from cluster.stages import ELASTILM_STAGES
 from device_sdk.format import verify_package
+from pipeline.chain import ELASTILM_STAGES
 from tests.tiny import save_tiny
 
 pytestmark = pytest.mark.integration
@@ -33,7 +34,7 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
         },
         "publish": {"name": "tiny", "version": "0.1.0"},
     })
-    with running_service(settings) as scheduler:
+    with running_service(settings, default_registry()) as scheduler:
         assert settings.signing_key_path.stat().st_mode & 0o777 == 0o600  # generated on first start
         with pytest.raises(SchedulerLockError, match="another scheduler"):
             Scheduler(settings, scheduler.registry).start()  # SQLite: a single writer
@@ -53,12 +54,12 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
 
 def test_a_stopped_scheduler_hands_its_stages_back_and_the_next_one_finishes(tmp_path, ray_cluster):
     from cluster.db import migrate
-    from cluster.registry import Registry, StageRegistration
+    from cluster.registry import Registry
     from tests.integration.control_plane import FAST, spec_for
+    from workers import testing
 
     pid_file = tmp_path / "pid"
-    registry = Registry([StageRegistration(name="first", function="workers.testing:sleep", outputs=("out",),
-                                           max_attempts=1)])
+    registry = Registry([testing.tiny_stage("first", testing.sleep, max_attempts=1)])
     settings = Settings(home=tmp_path / "home", **FAST)
     migrate(settings.database_url)
     first = Scheduler(settings, registry).start()

@@ -11,14 +11,16 @@ import psutil
 import pytest
 from sqlalchemy import func, select
 
+from api.app import default_registry
 from cluster.ledger import usage
 from cluster.models import Attempt, Event, Package, Stage
-from cluster.registry import Registry, Resources, StageRegistration
+from cluster.registry import Registry
 from cluster.service import build_summary, cancel_build, submit_build
 from cluster.spec import parse_spec
-from cluster.stages import builtin_registry
+from pipeline.contract import Resources
 from tests.integration.control_plane import chain_registry, journal_lines, make_settings, spec_for, started
 from tests.integration.services import free_port
+from workers import testing
 from workers.store import ArtifactRef, StoreConfig
 
 pytestmark = pytest.mark.integration
@@ -45,7 +47,7 @@ def _wait_for_file(scheduler, path, timeout=60):
 
 def test_worker_killed_mid_stage_is_retried_and_leaves_no_partial_artifact(tmp_path, scheduler_for):
     pid_file = tmp_path / "pid"
-    registry = Registry([StageRegistration(name="first", function="workers.testing:sleep", outputs=("out",))])
+    registry = Registry([testing.tiny_stage("first", testing.sleep)])
     scheduler = scheduler_for(registry)
     spec = spec_for({"first": {"seconds": 30, "pid_file": str(pid_file), "only_first_time": True, "tag": "k"}})
     build_id = submit_build(scheduler.sessions, spec, registry)
@@ -71,7 +73,7 @@ def test_worker_killed_mid_stage_is_retried_and_leaves_no_partial_artifact(tmp_p
 
 def test_cancellation_stops_ray_tasks_and_marks_everything_cancelled(tmp_path, scheduler_for):
     pid_file = tmp_path / "pid"
-    registry = chain_registry("workers.testing:sleep")
+    registry = chain_registry(testing.sleep)
     scheduler = scheduler_for(registry)
     spec = spec_for({"first": {"seconds": 120, "pid_file": str(pid_file), "tag": "c"}})
     build_id = submit_build(scheduler.sessions, spec, registry)
@@ -128,11 +130,10 @@ def test_identical_resubmission_comes_from_cache_with_zero_compute(tmp_path, sch
 def test_ledger_rolls_up_fractional_gpu_seconds(tmp_path, scheduler_for):
     half = Resources(num_cpus=0.5, num_gpus=0.5)
     registry = Registry([
-        StageRegistration(name="train", function="workers.testing:sleep", outputs=("out",), resources=half),
-        StageRegistration(name="score", function="workers.testing:sleep", inputs={"x": "train.out"}, outputs=("out",),
-                          resources=Resources(num_cpus=0.5, num_gpus=0.25)),
-        StageRegistration(name="broken", function="workers.testing:fail", outputs=("out",), resources=half,
-                          max_attempts=2, enabled_by_default=False),
+        testing.tiny_stage("train", testing.sleep, resources=half),
+        testing.tiny_stage("score", testing.sleep, inputs={"x": "train.out"},
+                           resources=Resources(num_cpus=0.5, num_gpus=0.25)),
+        testing.tiny_stage("broken", testing.fail, resources=half, max_attempts=2, enabled_by_default=False),
     ])
     scheduler = scheduler_for(registry)
     builds = {}
@@ -169,7 +170,7 @@ def test_ledger_rolls_up_fractional_gpu_seconds(tmp_path, scheduler_for):
 
 
 def test_missing_source_model_fails_first_stage_clearly_and_publishes_nothing(tmp_path, scheduler_for):
-    registry = builtin_registry()
+    registry = default_registry()
     scheduler = scheduler_for(registry)
     spec = parse_spec({"source": {"model": str(tmp_path / "no-such-model")}, "levels": [0.5, 1.0],
                        "publish": {"name": "ghost", "version": "1.0"}})
@@ -212,7 +213,7 @@ def test_a_stage_that_reports_progress_keeps_its_cpus_to_itself(tmp_path, schedu
 
     A worker that blocked on Ray while sending an event would lend its CPUs to the next shard.
     """
-    registry = chain_registry("workers.testing:sleep", resources=Resources(num_cpus=2), fan_out=True)
+    registry = chain_registry(testing.sleep, resources=Resources(num_cpus=2), fan_out=True)
     scheduler = scheduler_for(registry)
     journal = tmp_path / "journal"
     own = {"journal": str(journal), "seconds": 3.0, "tick": 0.01, "chatty": True}

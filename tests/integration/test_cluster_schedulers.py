@@ -17,6 +17,7 @@ from cluster.db import make_engine, session_factory
 from cluster.models import Attempt, Build
 from cluster.service import build_summary, submit_build
 from tests.integration.control_plane import chain_registry, journal_lines, spec_for
+from workers import testing
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("scheduler_process.py")
@@ -40,7 +41,7 @@ def _wait(condition, timeout: float, what: str, processes=()) -> None:
 
 def test_two_schedulers_run_every_stage_of_200_builds_exactly_once(tmp_path, pg_url, cluster_env):
     sessions = session_factory(make_engine(pg_url))
-    registry = chain_registry("workers.testing:noop")
+    registry = chain_registry(testing.noop)
     journal = tmp_path / "journal"
     for index in range(200):  # distinct settings: no build is a cache hit of another
         own = {"journal": str(journal)}
@@ -75,7 +76,7 @@ def test_two_schedulers_run_every_stage_of_200_builds_exactly_once(tmp_path, pg_
 
 def test_killed_scheduler_is_replaced_and_no_stage_ever_runs_twice_at_once(tmp_path, pg_url, cluster_env):
     sessions = session_factory(make_engine(pg_url))
-    registry = chain_registry("workers.testing:sleep", fan_out=True)
+    registry = chain_registry(testing.sleep, fan_out=True)
     journal = tmp_path / "journal"
     own = {"journal": str(journal), "seconds": 1.5, "tick": 0.05}
     spec = spec_for({"first": {**own, "tag": "first"}, "second": {**own, "tag": "second"},

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
+from api.app import default_registry
 from cluster.models import Alias, Package
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
-from cluster.stages import builtin_registry
 from device_sdk.format import verify_package
 from tests.integration.control_plane import make_settings, small_elastic_spec, started
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_smollm2_build_publishes_a_signed_verified_package(tmp_path, smollm2_dir, pg_url, s3_store, ray_cluster):
     settings = make_settings(tmp_path, pg_url, s3_store, lease_seconds=30.0)
-    registry = builtin_registry()
+    registry = default_registry()
     spec = parse_spec(small_elastic_spec(smollm2_dir, "smollm2-test", ["latest", "stable"]))
     scheduler = started(settings, registry)
     try:

@@ -14,11 +14,12 @@ import pytest
 
 from api.app import ServerThread, create_app
 from api.auth import create_token
-from cluster.registry import Resources
 from device_sdk.client import ElastifyClient
+from pipeline.contract import Resources
 from tests.api_support import spec
 from tests.integration import services
 from tests.integration.control_plane import chain_registry, make_settings, started
+from workers import testing
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ TYPES = ["first", "second", "third"]
 
 
 def three_sleeps(first: float, rest: float = 0.3) -> dict:
-    """Stage settings for chain_registry(workers.testing:sleep): the first stage sleeps `first` seconds."""
+    """Stage settings for chain_registry(workers.testing.sleep): the first stage sleeps `first` seconds."""
     return {"first": {"settings": {"seconds": first}}, "second": {"settings": {"seconds": rest}},
             "third": {"settings": {"seconds": rest}}}
 
@@ -94,7 +95,7 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
                                                                 artifacts_dir):
     settings = make_settings(tmp_path, pg_url, s3_store)
     # One GPU per stage: each attempt records wall seconds × 1 GPU on the ledger.
-    registry = chain_registry("workers.testing:sleep", resources=Resources(num_cpus=0.5, num_gpus=1))
+    registry = chain_registry(testing.sleep, resources=Resources(num_cpus=0.5, num_gpus=1))
     scheduler = started(settings, registry)
     stop = threading.Event()
     loop = threading.Thread(target=scheduler.run, kwargs={"until": stop.is_set}, daemon=True)

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
+from api.app import default_registry
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
-from cluster.stages import builtin_registry
 from device_sdk.latency import SLO
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM
@@ -39,7 +39,7 @@ SMALL = {
 def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2_dir, pg_url, s3_store,
                                                                 ray_cluster):
     settings = make_settings(tmp_path, pg_url, s3_store, lease_seconds=60.0)
-    registry = builtin_registry()
+    registry = default_registry()
     spec = parse_spec({
         "source": {"model": str(smollm2_dir)},
         "levels": [0.5, 0.7, 1.0],

@@ -82,8 +82,8 @@ def recovery_results() -> dict[str, dict]:
     results = {}
     for level in ("0.5", "0.7"):
         work = _ROOT / f"recover-{level}"
-        settings = {"level": level, "steps": RECOVER_STEPS, "batch_size": 2, "seq_len": 32, "eval_windows": 4,
-                    "lr": 2e-3, "warmup_steps": 1, "corpus": ["ptb:valid"], "eval_corpus": ["ptb:test"]}
+        settings = recover.RecoverSettings(level=level, steps=RECOVER_STEPS, batch_size=2, seq_len=32, eval_windows=4,
+                                           lr=2e-3, warmup_steps=1, corpus=["ptb:valid"], eval_corpus=["ptb:test"])
         outputs = recover.run({"package": smollm2_elastic_package()}, settings, quiet_context(work))
         results[level] = {**{k: Path(v) for k, v in outputs.items()},
                           "metrics_data": json.loads(Path(outputs["metrics"]).read_text())}
@@ -95,11 +95,12 @@ def recovery_results() -> dict[str, dict]:
 def recovered_package() -> Path:
     """The shared package plus its level adapters, installed through the fan-in entry."""
     from pipeline import recover
+    from pipeline.contract import StageSettings
     from pipeline.stage import quiet_context
 
     inputs = {"package": smollm2_elastic_package()}
     inputs |= {f"adapter.{level}": result["adapter"] for level, result in recovery_results().items()}
-    return Path(recover.run_install(inputs, {}, quiet_context(_ROOT / "install"))["package"])
+    return Path(recover.run_install(inputs, StageSettings(), quiet_context(_ROOT / "install"))["package"])
 
 
 def scratch(name: str) -> Path:
@@ -115,8 +116,8 @@ def score_tlm_dir() -> Path:
     from pipeline import tlm
     from pipeline.stage import quiet_context
 
-    settings = {"texts": ["lambada"], "passages": 24, "passage_words": 50, "steps": 40, "batch_size": 8,
-                "lr": 1e-4, "max_length": 128}
+    settings = tlm.ScoreSettings(texts=["lambada"], passages=24, passage_words=50, steps=40, batch_size=8, lr=1e-4,
+                                 max_length=128)
     return Path(tlm.run_score({"package": smollm2_elastic_package()}, settings, quiet_context(scratch("tlm")))["tlm"])
 
 
@@ -126,5 +127,5 @@ def latency_report() -> Path:
     from pipeline import latency
     from pipeline.stage import quiet_context
 
-    settings = {"prompt_lengths": [16, 64], "decode_tokens": 4, "repeats": 1}
+    settings = latency.LatencySettings(prompt_lengths=[16, 64], decode_tokens=4, repeats=1)
     return Path(latency.run({"package": smollm2_elastic_package()}, settings, quiet_context(scratch("latency")))["latency"])

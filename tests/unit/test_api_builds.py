@@ -74,7 +74,10 @@ def test_invalid_specs_are_422_problems_naming_every_field(api, client, acme):
     assert {"body.source.model", "body.levels", "body.publish.name", "body.colour"} <= fields
     registry = client.post("/v1/builds", json=spec(stages={"nope": {}, "first": {"settings": {"x": 1}}}), headers=acme)
     assert registry.status_code == 422, registry.text
-    assert "stages.nope" in {e["field"] for e in registry.json()["errors"]}
+    errors = {e["field"]: e["message"] for e in registry.json()["errors"]}
+    assert set(errors) == {"body.stages.nope", "body.stages.first.settings.x"}
+    assert "registered stages: ['first', 'second', 'third']" in errors["body.stages.nope"]
+    assert "unknown setting; allowed:" in errors["body.stages.first.settings.x"]
     not_json = client.post("/v1/builds", content=b"{not json", headers={**acme, "Content-Type": "application/json"})
     assert not_json.status_code == 422 and not_json.json()["status"] == 422
     bad_key = client.post("/v1/builds", json=spec(), headers={**acme, "Idempotency-Key": "x" * 129})

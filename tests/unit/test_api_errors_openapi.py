@@ -8,7 +8,7 @@ import base64
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from sqlalchemy import select
+from sqlalchemy import func, select
 from typer.testing import CliRunner
 
 from api.app import create_app
@@ -177,3 +177,57 @@ def test_readiness_of_an_api_process_that_has_not_joined_ray_checks_the_cluster_
     down = TestClient(create_app(dataclasses.replace(api.settings, ray_address=f"127.0.0.1:{port}")))
     response = down.get("/readyz")
     assert response.status_code == 503 and "ConnectionRefusedError" in response.json()["checks"]["ray"]["detail"]
+
+
+def test_submit_checks_every_stage_setting_and_names_every_bad_field_before_writing(api):
+    from cluster.models import Build, Stage
+
+    client = TestClient(create_app(api.settings))  # the default registry: pipeline.chain's stages
+    headers = api.token("acme")
+    bad = spec(levels=[0.5, 0.4], stages={
+        "elastify": {"settings": {"align": 0, "seed": "x"}},
+        "profile": {"settings": {"windows": 0, "layer_method": "zzz"}},
+        "recover": {"settings": {"steps": -1}},
+        "clone-collect": {"enabled": True, "settings": {"budgets": []}},
+        "recolour": {},
+    })
+    body = _is_problem(client.post("/v1/builds", json=bad, headers=headers), 422)
+    errors = {e["field"]: e["message"] for e in body["errors"]}
+    assert set(errors) == {"body.levels", "body.stages.elastify.settings.align", "body.stages.elastify.settings.seed",
+                           "body.stages.profile.settings.windows", "body.stages.profile.settings.layer_method",
+                           "body.stages.recover.settings.steps", "body.stages.clone-collect.settings.budgets",
+                           "body.stages.recolour"}
+    assert "'loo' or 'block_influence'" in errors["body.stages.profile.settings.layer_method"]
+    assert "registered stages" in errors["body.stages.recolour"]
+    with api.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Build)) == 0
+
+    good = spec(levels=[0.5, 1.0], stages={"elastify": {"settings": {"align": 16}}})
+    created = client.post("/v1/builds", json=good, headers=headers)
+    assert created.status_code == 201, created.text
+    assert created.json()["spec"]["stages"] == {"elastify": {"enabled": True, "settings": {"align": 16},
+                                                             "max_attempts": None, "resources": None}}
+    with api.sessions() as session:
+        elastify = session.scalar(select(Stage).where(Stage.key == "elastify"))
+    # The stored settings are the validated model's: the spec's values, defaults and what the chain supplies.
+    assert elastify.settings["align"] == 16 and elastify.settings["levels"] == [0.5, 1.0]
+    assert elastify.settings["name"] == "test" and elastify.settings["anchor_fraction"] == 0.2
+
+
+def test_openapi_shows_every_stages_settings_schema(api):
+    from api.app import default_registry
+
+    doc = TestClient(create_app(api.settings)).get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    stages = schemas["Stages"]["properties"]
+    assert set(stages) == {stage.name for stage in default_registry()}
+    assert schemas["Stages"]["additionalProperties"] is False
+    for stage in default_registry():
+        settings = stage.settings.__name__
+        if stage.settings.model_fields:
+            assert set(schemas[settings]["properties"]) == set(stage.settings.model_fields), settings
+    elastify = schemas["ElastifySettings"]["properties"]
+    assert elastify["align"]["exclusiveMinimum"] == 0 and elastify["order"]["enum"] == ["taylor", "random"]
+    assert schemas["ProfileSettings"]["properties"]["layer_method"]["enum"] == ["loo", "block_influence"]
+    body = doc["paths"]["/v1/builds"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/BuildSpec"}

@@ -189,6 +189,6 @@ def test_a_package_name_belongs_to_the_tenant_that_published_it(api, client, tmp
         stage = session.scalar(select(Stage).where(Stage.build_id == early, Stage.key == "third"))
     with pytest.raises(PublishRefused, match="belongs to another tenant"):
         register_package(SimpleNamespace(sessions=api.sessions, store=api.store, build=build, stage=stage,
-                                         outputs={"package": artifact}))
+                                         package=artifact))
     assert api.store.get_bytes(alias_key("shared", "latest")) == b"1"
     assert not api.store.exists("packages/shared/2/manifest.json")

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from device_sdk.format import PackageError, read_manifest, rewrite_manifest, verify_package
 from device_sdk.latency import SLO
@@ -97,16 +98,18 @@ def test_bad_budgets_and_settings_are_refused(package, calib):
     manifest = read_manifest(package)
     with pytest.raises(CloneError, match="cannot be met by any configuration"):
         cost_context(manifest, settings(calib, budgets=[{"name": "impossible", "latency_ms": 1e-9}]))
-    with pytest.raises(CloneError, match="at least one budget"):
-        settings(calib, budgets=[]).validate()
-    with pytest.raises(CloneError, match="neither a latency nor an energy"):
-        settings(calib, budgets=[{"name": "none"}]).validate()
-    with pytest.raises(CloneError, match="strategies"):
-        settings(calib, strategies=["magic"]).validate()
-    with pytest.raises(CloneError, match="malformed"):
-        settings(calib, budgets=[{"name": "x", "latency": 0.5, "speed": 1}]).validate()
-    with pytest.raises(CloneError, match="rounds"):
-        SearchSettings(rounds=0).validate()
+    with pytest.raises(ValidationError, match="budgets\n  List should have at least 1 item"):
+        settings(calib, budgets=[])
+    with pytest.raises(ValidationError, match="neither a latency nor an energy"):
+        settings(calib, budgets=[{"name": "none"}])
+    with pytest.raises(ValidationError, match="strategies.0"):
+        settings(calib, strategies=["magic"])
+    with pytest.raises(ValidationError, match="budgets.0.speed"):
+        settings(calib, budgets=[{"name": "x", "latency": 0.5, "speed": 1}])
+    with pytest.raises(ValidationError, match="budget names must be unique"):
+        settings(calib, budgets=[BUDGET, BUDGET])
+    with pytest.raises(ValidationError, match="rounds"):
+        SearchSettings(rounds=0)
 
 
 def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_path):

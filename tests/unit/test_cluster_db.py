@@ -116,11 +116,11 @@ def _package_artifact(store, tmp_path, key: str, levels: list[str]):
     return store.put_artifact(key, src)
 
 
-def _hook(sessions, store, build_id, outputs):
+def _hook(sessions, store, build_id, package):
     with sessions() as session:
         build = session.get(Build, build_id)
         stage = session.scalar(select(Stage).where(Stage.build_id == build_id))
-    return SimpleNamespace(sessions=sessions, store=store, build=build, stage=stage, outputs=outputs)
+    return SimpleNamespace(sessions=sessions, store=store, build=build, stage=stage, package=package)
 
 
 def test_publish_is_immutable_idempotent_and_moves_aliases(sessions, tmp_path):
@@ -132,17 +132,17 @@ def test_publish_is_immutable_idempotent_and_moves_aliases(sessions, tmp_path):
             _build(session, build_id, spec={"publish": {**publish, "version": version}})
             session.add(Stage(build_id=build_id, key="publish", type="publish", settings={}, resources={}))
     first = _package_artifact(store, tmp_path, "a/1", ["0.5", "1.0"])
-    register_package(_hook(sessions, store, "b1", {"package": first}))
+    register_package(_hook(sessions, store, "b1", first))
     assert store.exists("packages/pkg/1.0/manifest.json") and store.exists("packages/pkg/1.0/model/weights.safetensors")
     assert store.get_bytes(alias_key("pkg", "latest")) == b"1.0"
 
-    register_package(_hook(sessions, store, "b2", {"package": first}))  # same manifest: a no-op
+    register_package(_hook(sessions, store, "b2", first))  # same manifest: a no-op
     different = _package_artifact(store, tmp_path, "a/2", ["1.0"])
     with pytest.raises(PublishRefused, match="already published"):
-        register_package(_hook(sessions, store, "b2", {"package": different}))
+        register_package(_hook(sessions, store, "b2", different))
     assert json.loads(store.get_bytes("packages/pkg/1.0/manifest.json")) == {"levels": ["0.5", "1.0"]}
 
-    register_package(_hook(sessions, store, "b3", {"package": different}))
+    register_package(_hook(sessions, store, "b3", different))
     with sessions() as session:
         packages = {p.version: p for p in session.scalars(select(Package))}
         assert set(packages) == {"1.0", "2.0"}

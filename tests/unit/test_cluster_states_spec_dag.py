@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from api.app import default_registry
 from cluster.dag import ExternalPath, UpstreamInput, plan
-from cluster.registry import Registry, Resources, Shard, StageRegistration
+from cluster.registry import Registry
 from cluster.spec import SpecError, parse_spec
-from cluster.stages import ELASTILM_STAGES, builtin_registry
 from cluster.states import IllegalTransition, Status, check
+from pipeline.chain import ELASTILM_STAGES
+from pipeline.contract import Resources, Shard
+from workers.testing import tiny_stage
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {"source": {"model": "/models/x"}, "publish": {"name": "pkg", "version": "1.0"}}
 
@@ -45,77 +55,158 @@ def test_spec_reads_yaml_and_json_and_hashes_content():
 def test_builtin_dag_is_the_elastilm_chain_and_checks_stage_settings():
     spec = parse_spec({**BASE, "levels": [0.5, 0.7, 1.0],
                        "stages": {"profile": {"settings": {"windows": 2}}, "label": {"settings": {"shards": 3}}}})
-    nodes = plan(spec, builtin_registry())
+    nodes = plan(spec, default_registry())
     assert [n.key for n in nodes] == [
         "profile", "elastify", "recover[0.5]", "recover[0.7]", "recover-install", "latency", "tlm-score",
         "label[0]", "label[1]", "label[2]", "label-derive", "tlm-decision", "evaluate", "publish"]
     by_key = {n.key: n for n in nodes}
     assert by_key["profile"].inputs == {"model": ExternalPath("/models/x")}
-    assert by_key["profile"].settings == {"calibration": ["ptb:train"], "windows": 2}
-    assert by_key["recover[0.7]"].settings["level"] == "0.7" and by_key["recover[0.7]"].resources["num_cpus"] == 1
+    assert by_key["profile"].settings.calibration == ["ptb:train"] and by_key["profile"].settings.windows == 2
+    assert by_key["recover[0.7]"].settings.level == "0.7" and by_key["recover[0.7]"].resources["num_cpus"] == 1
     assert by_key["recover-install"].inputs == {"package": UpstreamInput("elastify", "package"),
                                                 "adapter.0.5": UpstreamInput("recover[0.5]", "adapter"),
                                                 "adapter.0.7": UpstreamInput("recover[0.7]", "adapter")}
-    assert by_key["label[2]"].settings | {"shard": 2, "shards": 3} == by_key["label[2]"].settings
+    assert (by_key["label[2]"].settings.shard, by_key["label[2]"].settings.shards) == (2, 3)
     assert by_key["label-derive"].inputs["meta.1"] == UpstreamInput("label[1]", "meta")
     assert by_key["publish"].inputs == {"package": UpstreamInput("recover-install", "package"),
                                         "report": UpstreamInput("evaluate", "report_card"),
                                         "latency": UpstreamInput("latency", "latency"),
                                         "tlm": UpstreamInput("tlm-decision", "tlm")}
-    assert by_key["elastify"].settings["name"] == "pkg" and by_key["elastify"].resources["num_cpus"] == 2
+    assert by_key["elastify"].settings.name == "pkg" and by_key["elastify"].resources["num_cpus"] == 2
+    assert by_key["elastify"].settings.levels == [0.5, 0.7, 1.0]
 
 
 def test_switching_off_elastilm_stages_falls_back_to_the_alternative_inputs():
     off = {name: {"enabled": False} for name in ELASTILM_STAGES}
-    nodes = plan(parse_spec({**BASE, "stages": off}), builtin_registry())
+    nodes = plan(parse_spec({**BASE, "stages": off}), default_registry())
     assert [n.key for n in nodes] == ["profile", "elastify", "evaluate", "publish"]
     publish = {n.key: n for n in nodes}["publish"]
     assert publish.inputs == {"package": UpstreamInput("elastify", "package"),
                               "report": UpstreamInput("evaluate", "report_card")}
 
-    no_decision = plan(parse_spec({**BASE, "stages": {"tlm-decision": {"enabled": False}}}), builtin_registry())
+    no_decision = plan(parse_spec({**BASE, "stages": {"tlm-decision": {"enabled": False}}}), default_registry())
     assert {n.key: n for n in no_decision}["publish"].inputs["tlm"] == UpstreamInput("tlm-score", "tlm")
 
-    without_eval = plan(parse_spec({**BASE, "stages": {**off, "evaluate": {"enabled": False}}}), builtin_registry())
+    without_eval = plan(parse_spec({**BASE, "stages": {**off, "evaluate": {"enabled": False}}}), default_registry())
     assert "report" not in {n.key: n for n in without_eval}["publish"].inputs  # optional input dropped
 
 
 def test_builtin_dag_reports_every_bad_setting_and_missing_dependency():
     with pytest.raises(SpecError) as caught:
         plan(parse_spec({**BASE, "stages": {"profile": {"settings": {"windowz": 2}}, "elastify": {"enabled": False},
-                                            "recolour": {}}}), builtin_registry())
+                                            "recolour": {}}}), default_registry())
     fields = {where for where, _ in caught.value.problems}
     # The root causes (every stage that reads elastify's package), not their knock-on effects.
     assert fields == {"stages.profile.settings.windowz", "stages.recolour", "stages.recover",
                       "stages.recover-install", "stages.latency", "stages.tlm-score"}
 
     with pytest.raises(SpecError, match="fans out to no shards"):  # only the full level: nothing to recover
-        plan(parse_spec({**BASE, "levels": [1.0]}), builtin_registry())
+        plan(parse_spec({**BASE, "levels": [1.0]}), default_registry())
     with pytest.raises(SpecError, match="label-derive"):  # labels without their consumer's input
-        plan(parse_spec({**BASE, "stages": {"label": {"enabled": False}}}), builtin_registry())
+        plan(parse_spec({**BASE, "stages": {"label": {"enabled": False}}}), default_registry())
 
 
-def test_fan_out_is_declared_by_the_registration():
+def test_fan_out_is_declared_by_the_stage():
     registry = Registry([
-        StageRegistration(name="prep", function="m:f", outputs=("out",)),
-        StageRegistration(name="per_level", function="m:f", inputs={"x": "prep.out"}, outputs=("out",),
-                          resources=Resources(num_gpus=0.5),
-                          fan_out=lambda spec, own: [Shard(str(m), {"level": m}) for m in spec.levels]),
-        StageRegistration(name="collect", function="m:f", inputs={"parts": "per_level.out"}, outputs=("out",)),
+        tiny_stage("prep"),
+        tiny_stage("per_level", inputs={"x": "prep.out"}, resources=Resources(num_gpus=0.5),
+                   fan_out=lambda spec, settings: [Shard(str(m), {"level": m}) for m in spec.levels]),
+        tiny_stage("collect", inputs={"parts": "per_level.out"}),
     ])
     nodes = plan(parse_spec({**BASE, "levels": [0.25, 0.5, 1.0], "stages": {"per_level": {"max_attempts": 5}}}), registry)
     assert [n.key for n in nodes] == ["prep", "per_level[0.25]", "per_level[0.5]", "per_level[1.0]", "collect"]
-    assert nodes[2].settings == {"level": 0.5} and nodes[2].max_attempts == 5 and nodes[2].resources["num_gpus"] == 0.5
+    assert nodes[2].settings.level == 0.5 and nodes[2].max_attempts == 5 and nodes[2].resources["num_gpus"] == 0.5
     assert nodes[-1].inputs == {f"parts.{m}": UpstreamInput(f"per_level[{m}]", "out") for m in ("0.25", "0.5", "1.0")}
 
 
 def test_registry_refuses_duplicates_and_cycles():
-    registry = Registry([StageRegistration(name="a", function="m:f", outputs=("o",))])
+    registry = Registry([tiny_stage("a")])
     with pytest.raises(ValueError, match="registered twice"):
-        registry.register(StageRegistration(name="a", function="m:f", outputs=("o",)))
-    cyclic = Registry([
-        StageRegistration(name="a", function="m:f", inputs={"x": "b.o"}, outputs=("o",)),
-        StageRegistration(name="b", function="m:f", inputs={"x": "a.o"}, outputs=("o",)),
-    ])
+        registry.register(tiny_stage("a"))
+    with pytest.raises(ValueError, match="may not contain"):
+        tiny_stage("a.b")
+    cyclic = Registry([tiny_stage("a", inputs={"x": "b.out"}), tiny_stage("b", inputs={"x": "a.out"})])
     with pytest.raises(SpecError, match="dependency cycle"):
         plan(parse_spec(BASE), cyclic)
+
+
+# One bad value per stage that has settings, and the field each must be reported under.
+BAD_SETTINGS = {
+    "profile": ({"windows": 0, "layer_method": "zzz"}, ["windows", "layer_method"]),
+    "elastify": ({"align": 0, "anchor_fraction": 1.0, "levels": [0.5, 0.4]}, ["align", "anchor_fraction", "levels"]),
+    "recover": ({"steps": 0, "targets": ["x_proj"], "zero_stage": 3}, ["steps", "targets.0", "zero_stage"]),
+    "latency": ({"decode_tokens": 1, "prompt_lengths": []}, ["decode_tokens", "prompt_lengths"]),
+    "tlm-score": ({"keep_rate": 1.5}, ["keep_rate"]),
+    "label": ({"ratios": [0.5, 1.5], "shards": 0}, ["ratios", "shards"]),
+    "label-derive": ({"slos": [[0.5, -1.0]]}, ["slos.0.1"]),
+    "tlm-decision": ({"rule": "heaviest"}, ["rule"]),
+    "evaluate": ({"windows": 0, "ppl_noise": -0.1}, ["windows", "ppl_noise"]),
+    "clone-collect": ({"budgets": [], "ratio_bins": [0.5, 0.2]}, ["budgets", "ratio_bins"]),
+    "clone-search": ({"rounds": 0}, ["rounds"]),
+    "experts": ({"tasks": ["arc_easy", "arc_easy"], "temperature": 0}, ["tasks", "temperature"]),
+}
+
+
+def test_every_stage_setting_is_typed_and_every_bad_value_is_named_at_parse():
+    registry = default_registry()
+    stages = {name: {"settings": bad} for name, (bad, _) in BAD_SETTINGS.items()}
+    stages["elastify"]["settings"]["seed"] = "x"  # a wrong type
+    stages["nope"] = {}
+    with pytest.raises(SpecError) as caught:
+        parse_spec({**BASE, "levels": [0.5, 1.2], "stages": stages}, registry)
+    fields = {where for where, _ in caught.value.problems}
+    expected = {f"stages.{name}.settings.{field}" for name, (_, names) in BAD_SETTINGS.items() for field in names}
+    assert fields == expected | {"stages.elastify.settings.seed", "stages.nope", "levels"}
+    messages = dict(caught.value.problems)
+    assert "registered stages" in messages["stages.nope"] and "(0, 1]" in messages["levels"]
+    assert "increasing" in messages["stages.elastify.settings.levels"]
+    assert {name for name in BAD_SETTINGS} == {s.name for s in registry if s.settings.model_fields}
+
+
+def test_unknown_settings_are_named_with_what_is_allowed():
+    with pytest.raises(SpecError) as caught:
+        parse_spec({**BASE, "stages": {"elastify": {"settings": {"alignment": 16}}}}, default_registry())
+    (field, message), = caught.value.problems
+    assert field == "stages.elastify.settings.alignment" and "align" in message
+
+
+def test_settings_the_spec_supplies_are_checked_when_planning_and_user_values_win():
+    registry = default_registry()
+    with pytest.raises(SpecError) as caught:  # clone-collect has no default budgets
+        plan(parse_spec({**BASE, "stages": {"clone-collect": {"enabled": True}}}, registry), registry)
+    assert {where for where, _ in caught.value.problems} == {"stages.clone-collect.settings.budgets"}
+    spec = parse_spec({**BASE, "levels": [0.5, 1.0], "stages": {"elastify": {"settings": {"name": "other"}},
+                                                                 "profile": {"settings": {"calibration": ["wiki"]}}}},
+                      registry)
+    by_key = {n.key: n for n in plan(spec, registry)}
+    assert by_key["elastify"].settings.name == "other" and by_key["elastify"].settings.version == "1.0"
+    assert by_key["profile"].settings.calibration == ["wiki"]
+    assert [n.key for n in plan(spec, registry) if n.type == "label"] == ["label[0]", "label[1]"]  # chain default
+
+
+def test_a_typed_spec_dumps_what_was_submitted():
+    registry = default_registry()
+    data = {**BASE, "stages": {"elastify": {"settings": {"align": 16}}, "latency": {"enabled": False}}}
+    typed = parse_spec(data, registry)
+    dumped = typed.model_dump(mode="json")["stages"]
+    assert dumped["elastify"]["settings"] == {"align": 16} and set(dumped) == {"elastify", "latency"}
+    assert typed.content_hash() == parse_spec(data).content_hash()  # the same with or without a registry
+
+
+def test_planning_the_default_spec_imports_no_torch_and_no_algorithm_module():
+    code = (
+        "import json, sys\n"
+        "from api.app import default_registry\n"
+        "from cluster.dag import plan\n"
+        "from cluster.spec import parse_spec\n"
+        "registry = default_registry()\n"
+        "spec = parse_spec({'source': {'model': 'x'}, 'publish': {'name': 'p', 'version': '1'}}, registry)\n"
+        "nodes = plan(spec, registry)\n"
+        "print(json.dumps({'nodes': len(nodes), 'modules': sorted(sys.modules)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    report = json.loads(out)
+    assert report["nodes"] == 19
+    pipeline = {m for m in report["modules"] if m.startswith("pipeline.")}
+    assert pipeline == {"pipeline.chain", "pipeline.contract", "pipeline.settings", "pipeline.stage"}
+    assert not {m for m in report["modules"] if m.split(".")[0] in ("torch", "transformers", "safetensors")}

@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from device_sdk.experts import ExpertRouter, fit_to_width, mix
-from pipeline.experts import ExpertsError, ExpertSettings, build_experts, install_experts
+from pipeline.experts import ExpertSettings, build_experts, install_experts
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import signing_key, tiny_package
 
@@ -27,8 +28,8 @@ def test_router_modes_and_empty_set():
         router.weights(embedding, "best")
     with pytest.raises(ValueError, match="expert set is empty"):
         ExpertRouter([], torch.empty(0, 2))
-    with pytest.raises(ExpertsError, match="expert set is empty"):
-        ExpertSettings(tasks=[]).validate()
+    with pytest.raises(ValidationError, match="tasks\n  List should have at least 1 item"):
+        ExpertSettings(tasks=[])
 
 
 def test_stacked_mixture_equals_the_weighted_sum_of_experts():

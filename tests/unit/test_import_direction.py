@@ -39,6 +39,21 @@ def test_imports_point_one_way(package):
     assert not offenders, f"{package} imports against the direction {' → '.join(LAYERS)}: {offenders}"
 
 
+def dynamic_imports(path: Path) -> list[int]:
+    """Lines that import a module by a name computed at run time, which the check above cannot see."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+            and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) in ("import_module", "__import__")]
+
+
+@pytest.mark.parametrize("package", LAYERS[:-1])
+def test_every_edge_is_an_import_statement(package):
+    """Stages are objects handed over (pipeline.chain → api → cluster), never "module:function" strings."""
+    offenders = {str(path.relative_to(ROOT)): lines for path in sources(package) if (lines := dynamic_imports(path))}
+    assert not offenders, f"{package} imports modules by name at run time: {offenders}"
+
+
 def test_device_sdk_stands_alone():
     allowed = DEVICE_SDK_THIRD_PARTY | set(sys.stdlib_module_names) | {"device_sdk", "__future__"}
     offenders = {
@@ -53,3 +68,6 @@ def test_checker_catches_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import api.cli\nfrom cluster import store\n")
     assert imported_roots(bad) & set(LAYERS[:3]) == {"api", "cluster"}
+    hidden = tmp_path / "hidden.py"
+    hidden.write_text("import importlib\n\ndef run():\n    from pipeline import recover\n    return importlib.import_module('x')\n")
+    assert imported_roots(hidden) == {"importlib", "pipeline"} and dynamic_imports(hidden) == [5]

@@ -29,7 +29,7 @@ def labelled_shards() -> list[dict[str, Path]]:
 
     shards = []
     for index, (start, stop) in enumerate(((0, 3), (3, 5))):
-        settings = {"tasks": ["arc_easy"], "per_task": 5, "start": start, "stop": stop, "ratios": RATIOS}
+        settings = label.LabelSettings(tasks=["arc_easy"], per_task=5, start=start, stop=stop, ratios=RATIOS)
         inputs = {"package": recovered_package(), "tlm": score_tlm_dir()}
         shards.append(label.run(inputs, settings, quiet_context(scratch(f"label-{index}"))))
     return shards
@@ -44,7 +44,7 @@ def derived_labels() -> Path:
     for index, shard in enumerate(labelled_shards()):
         inputs[f"correctness.{index}"] = shard["correctness"]
         inputs[f"meta.{index}"] = shard["meta"]
-    return label.run_derive(inputs, {}, quiet_context(scratch("derive")))["labels"]
+    return label.run_derive(inputs, label.DeriveSettings(), quiet_context(scratch("derive")))["labels"]
 
 
 def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
@@ -174,8 +174,8 @@ def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
     from pipeline import tlm
     from pipeline.stage import quiet_context
 
-    out = tlm.run_decision({"tlm": score_tlm_dir(), "labels": derived_labels()}, {"steps": 8, "batch_size": 8},
-                           quiet_context(scratch("decision")))
+    out = tlm.run_decision({"tlm": score_tlm_dir(), "labels": derived_labels()},
+                           tlm.DecisionSettings(steps=8, batch_size=8), quiet_context(scratch("decision")))
     trained, tokenizer = tlm.load_tlm(out["tlm"])
     before, _ = tlm.load_tlm(score_tlm_dir())
     base = trained.config.base_vocab

@@ -20,8 +20,8 @@ from pathlib import Path
 from pipeline import recover
 from pipeline.stage import quiet_context
 package, corpus, out = map(Path, sys.argv[1:4])
-settings = {"level": "0.5", "backend": "deepspeed", "zero_stage": 2, "steps": 4, "batch_size": 2, "seq_len": 32,
-            "eval_windows": 4, "lr": 1e-2, "warmup_steps": 1, "corpus": [str(corpus)], "eval_corpus": [str(corpus)]}
+settings = recover.RecoverSettings(level="0.5", backend="deepspeed", zero_stage=2, steps=4, batch_size=2, seq_len=32,
+                                   eval_windows=4, lr=1e-2, warmup_steps=1, corpus=[str(corpus)], eval_corpus=[str(corpus)])
 outputs = recover.run({"package": package}, settings, quiet_context(out))
 import torch.distributed as dist
 print(json.dumps({"world": dist.get_world_size(), "backend": dist.get_backend()}))

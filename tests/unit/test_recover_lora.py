@@ -72,9 +72,11 @@ def test_recover_submodel_views_share_the_package_storage():
 
 
 def test_recover_rejects_bad_settings():
-    from pipeline.recover import RecoverError, RecoverSettings
+    from pydantic import ValidationError
 
-    with pytest.raises(RecoverError, match="backend"):
-        RecoverSettings(level="0.5", backend="horovod").validate()
-    with pytest.raises(RecoverError, match="targets"):
-        RecoverSettings(level="0.5", targets=["lm_head"]).validate()
+    from pipeline.recover import RecoverSettings
+
+    with pytest.raises(ValidationError, match="backend"):
+        RecoverSettings(level="0.5", backend="horovod")
+    with pytest.raises(ValidationError, match="targets"):
+        RecoverSettings(level="0.5", targets=["lm_head"])

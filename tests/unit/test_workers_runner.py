@@ -2,22 +2,26 @@
 
 from __future__ import annotations
 
+import pickle
+
+from pipeline.stage import StageContext
+from workers import testing
 from workers.runner import ExternalInput, StageTask, execute
 from workers.store import StoreConfig
 
 
-def _task(tmp_path, function, inputs=None, settings=None, outputs=("out",)):
-    return StageTask(build_id="b", stage_id=1, stage_key="s", attempt=1, function=function, inputs=inputs or {},
-                     outputs=outputs, settings=settings or {}, store=StoreConfig(str(tmp_path / "store")),
-                     output_prefix="builds/b/s/a1")
+def _task(tmp_path, run, inputs=None, settings=None, outputs=("out",), runtime=None):
+    return StageTask(build_id="b", stage_id=1, stage_key="s", attempt=1, run=run, inputs=inputs or {},
+                     outputs=outputs, settings=testing.TinySettings(**(settings or {})),
+                     store=StoreConfig(str(tmp_path / "store")), output_prefix="builds/b/s/a1", runtime=runtime or {})
 
 
 def test_success_stores_outputs_and_reports_time_and_events(tmp_path):
     events = []
-    first = execute(_task(tmp_path, "workers.testing:noop", settings={"tag": "one"}), events.append)
+    first = execute(_task(tmp_path, testing.noop, settings={"tag": "one"}), events.append)
     assert first["ok"] and first["wall_seconds"] > 0 and first["cpu_seconds"] >= 0
     ref = first["outputs"]["out"]
-    chained = execute(_task(tmp_path, "workers.testing:sleep", inputs={"x": ref},
+    chained = execute(_task(tmp_path, testing.sleep, inputs={"x": ref},
                             settings={"tag": "two", "seconds": 0.05, "tick": 0.01}), events.append)
     store = StoreConfig(str(tmp_path / "store")).open()
     assert store.get_artifact(chained["outputs"]["out"], tmp_path / "got").read_text() == "two|one"
@@ -25,15 +29,37 @@ def test_success_stores_outputs_and_reports_time_and_events(tmp_path):
 
 
 def test_failures_are_classified_as_permanent_or_retryable(tmp_path):
-    missing = execute(_task(tmp_path, "workers.testing:noop", inputs={"model": ExternalInput("/no/such/model")}))
+    missing = execute(_task(tmp_path, testing.noop, inputs={"model": ExternalInput("/no/such/model")}))
     assert not missing["ok"] and not missing["retryable"]
     assert "input 'model': /no/such/model does not exist" in missing["error"]
 
-    transient = execute(_task(tmp_path, "workers.testing:fail", settings={"message": "flaky"}))
+    transient = execute(_task(tmp_path, testing.fail, settings={"message": "flaky"}))
     assert transient == {**transient, "ok": False, "retryable": True, "error": "RuntimeError: flaky"}
 
-    wrong_outputs = execute(_task(tmp_path, "workers.testing:noop", outputs=("out", "extra")))
+    wrong_outputs = execute(_task(tmp_path, testing.noop, outputs=("out", "extra")))
     assert not wrong_outputs["ok"] and "did not return outputs ['extra']" in wrong_outputs["error"]
 
-    bad_path = execute(_task(tmp_path, "workers.testing"))
-    assert not bad_path["ok"] and not bad_path["retryable"] and "module:function" in bad_path["error"]
+
+def _record_runtime(inputs, settings: testing.TinySettings, ctx: StageContext):
+    out = ctx.work_dir / "out.txt"
+    out.write_text(f"{type(settings).__name__} {settings.tag} {sorted(ctx.runtime.items())}")
+    return {"out": out}
+
+
+def test_the_stage_gets_its_settings_object_and_runtime_values_apart(tmp_path):
+    result = execute(_task(tmp_path, _record_runtime, settings={"tag": "t"}, runtime={"build_id": "b1"}))
+    store = StoreConfig(str(tmp_path / "store")).open()
+    assert store.get_artifact(result["outputs"]["out"], tmp_path / "got").read_text() == "TinySettings t [('build_id', 'b1')]"
+
+
+def test_a_task_of_the_chain_pickles_its_run_function_by_reference():
+    from pipeline.chain import STAGES
+
+    profile = next(stage for stage in STAGES if stage.name == "profile")
+    task = StageTask(build_id="b", stage_id=1, stage_key="profile", attempt=1, run=profile.run, inputs={},
+                     outputs=profile.outputs, settings=profile.settings(windows=3), store=StoreConfig("/tmp/s"),
+                     output_prefix="p")
+    data = pickle.dumps(task)
+    assert b"pipeline.chain" in data and b"run_profile" in data and len(data) < 4096
+    again = pickle.loads(data)
+    assert again.run is profile.run and again.settings == task.settings

@@ -1,0 +1,241 @@
+"""The build DAGs as data: the ElastiLM chain and the CLONE stages, one `Stage` each.
+
+The default build is the whole ElastiLM chain:
+
+    profile → elastify → recover × levels → recover-install → latency → tlm-score
+            → label × shards → label-derive → tlm-decision → evaluate → publish
+
+Any stage in `ELASTILM_STAGES` can be switched off in the spec (`stages.<name>.enabled: false`,
+with the stages that need it); the chain then falls back to its other inputs, down to
+profile → elastify → evaluate → publish. The CLONE stages are off by default.
+
+This module stays torch-free (see pipeline.contract): each `run_*` below imports its algorithm
+module when a worker calls it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from device_sdk.format import level_name
+from pipeline.contract import Resources, Shard, Stage, StageSettings
+from pipeline.settings import (
+    CollectSettings,
+    DecisionSettings,
+    DeriveSettings,
+    ElastifySettings,
+    ExpertSettings,
+    LabelSettings,
+    LatencySettings,
+    ProfileSettings,
+    RecoverSettings,
+    ReportCardSettings,
+    ScoreSettings,
+    SearchSettings,
+)
+from pipeline.stage import StageContext
+
+# The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus).
+MODEL_STAGE = Resources(num_cpus=2)
+# A fanned-out shard takes one core, so that two shards run side by side on one 2-core worker.
+SHARD = Resources(num_cpus=1)
+DEFAULT_SHARDS = 2  # label and clone-collect tasks, unless the spec sets `shards`
+
+ELASTILM_STAGES = ("recover", "recover-install", "latency", "tlm-score", "label", "label-derive", "tlm-decision")
+# The package the later stages read: with recovery adapters when recovery ran.
+PACKAGE = ("recover-install.package", "elastify.package")
+
+Inputs = dict[str, Path]
+
+
+# --------------------------------------------------------------------------- what the spec supplies, fan-out
+
+
+def _profile_from_spec(spec) -> dict:
+    return {"calibration": list(spec.calibration)}
+
+
+def _elastify_from_spec(spec) -> dict:
+    return {"levels": list(spec.levels), "name": spec.publish.name, "version": spec.publish.version}
+
+
+def _default_shards(spec) -> dict:
+    return {"shards": DEFAULT_SHARDS}
+
+
+def _recover_shards(spec, settings: RecoverSettings) -> list[Shard]:
+    """One LoRA per level below full width (the full model needs no recovery)."""
+    return [Shard(level_name(m), {"level": level_name(m)}) for m in spec.levels if m < 1.0]
+
+
+def _count_shards(spec, settings: LabelSettings | CollectSettings) -> list[Shard]:
+    """label, clone-collect: shard k of n works on every n-th item (vector) of the same seeded list."""
+    return [Shard(str(k), {"shard": k, "shards": settings.shards}) for k in range(settings.shards)]
+
+
+# --------------------------------------------------------------------------- runs (imported on the worker)
+
+
+def run_profile(inputs: Inputs, settings: ProfileSettings, ctx: StageContext) -> Inputs:
+    from pipeline import profile
+
+    return profile.run(inputs, settings, ctx)
+
+
+def run_elastify(inputs: Inputs, settings: ElastifySettings, ctx: StageContext) -> Inputs:
+    from pipeline import elastify
+
+    return elastify.run(inputs, settings, ctx)
+
+
+def run_recover(inputs: Inputs, settings: RecoverSettings, ctx: StageContext) -> Inputs:
+    from pipeline import recover
+
+    return recover.run(inputs, settings, ctx)
+
+
+def run_recover_install(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
+    from pipeline import recover
+
+    return recover.run_install(inputs, settings, ctx)
+
+
+def run_latency(inputs: Inputs, settings: LatencySettings, ctx: StageContext) -> Inputs:
+    from pipeline import latency
+
+    return latency.run(inputs, settings, ctx)
+
+
+def run_tlm_score(inputs: Inputs, settings: ScoreSettings, ctx: StageContext) -> Inputs:
+    from pipeline import tlm
+
+    return tlm.run_score(inputs, settings, ctx)
+
+
+def run_label(inputs: Inputs, settings: LabelSettings, ctx: StageContext) -> Inputs:
+    from pipeline import label
+
+    return label.run(inputs, settings, ctx)
+
+
+def run_label_derive(inputs: Inputs, settings: DeriveSettings, ctx: StageContext) -> Inputs:
+    from pipeline import label
+
+    return label.run_derive(inputs, settings, ctx)
+
+
+def run_tlm_decision(inputs: Inputs, settings: DecisionSettings, ctx: StageContext) -> Inputs:
+    from pipeline import tlm
+
+    return tlm.run_decision(inputs, settings, ctx)
+
+
+def run_evaluate(inputs: Inputs, settings: ReportCardSettings, ctx: StageContext) -> Inputs:
+    from pipeline import evaluate
+
+    return evaluate.run_card(inputs, settings, ctx)
+
+
+def run_clone_collect(inputs: Inputs, settings: CollectSettings, ctx: StageContext) -> Inputs:
+    from pipeline import clone_collect
+
+    return clone_collect.run(inputs, settings, ctx)
+
+
+def run_clone_search(inputs: Inputs, settings: SearchSettings, ctx: StageContext) -> Inputs:
+    from pipeline import clone_search
+
+    return clone_search.run(inputs, settings, ctx)
+
+
+def run_experts(inputs: Inputs, settings: ExpertSettings, ctx: StageContext) -> Inputs:
+    from pipeline import experts
+
+    return experts.run(inputs, settings, ctx)
+
+
+def run_publish(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
+    from pipeline import publish
+
+    return publish.run(inputs, settings, ctx)
+
+
+# --------------------------------------------------------------------------- the stages
+
+STAGES: tuple[Stage, ...] = (
+    Stage(
+        name="profile", run=run_profile, settings=ProfileSettings, inputs={"model": "source.model"},
+        outputs=("importance",), resources=MODEL_STAGE, from_spec=_profile_from_spec,
+    ),
+    Stage(
+        name="elastify", run=run_elastify, settings=ElastifySettings,
+        inputs={"model": "source.model", "importance": "profile.importance"}, outputs=("package",),
+        resources=MODEL_STAGE, from_spec=_elastify_from_spec, runtime=("build_id",),
+    ),
+    Stage(
+        name="recover", run=run_recover, settings=RecoverSettings, inputs={"package": "elastify.package"},
+        outputs=("adapter", "peft", "metrics"), resources=SHARD, fan_out=_recover_shards,
+    ),
+    Stage(
+        name="recover-install", run=run_recover_install,
+        inputs={"package": "elastify.package", "adapter": "recover.adapter"}, outputs=("package",),
+        resources=Resources(num_cpus=1),
+    ),
+    # latency and tlm-score read only the full-width model, so they run beside recovery.
+    Stage(
+        name="latency", run=run_latency, settings=LatencySettings, inputs={"package": "elastify.package"},
+        outputs=("latency",), resources=MODEL_STAGE,
+    ),
+    Stage(
+        name="tlm-score", run=run_tlm_score, settings=ScoreSettings,
+        inputs={"package": "elastify.package", "compression_data": "source.compression_data"},
+        optional_inputs=frozenset({"compression_data"}), outputs=("tlm", "metrics"), resources=MODEL_STAGE,
+    ),
+    Stage(
+        name="label", run=run_label, settings=LabelSettings, inputs={"package": PACKAGE, "tlm": "tlm-score.tlm"},
+        outputs=("correctness", "meta"), resources=SHARD, from_spec=_default_shards, fan_out=_count_shards,
+    ),
+    Stage(
+        name="label-derive", run=run_label_derive, settings=DeriveSettings,
+        inputs={"latency": "latency.latency", "correctness": "label.correctness", "meta": "label.meta"},
+        outputs=("labels",), resources=Resources(num_cpus=1),
+    ),
+    Stage(
+        name="tlm-decision", run=run_tlm_decision, settings=DecisionSettings,
+        inputs={"tlm": "tlm-score.tlm", "labels": "label-derive.labels"}, outputs=("tlm", "metrics"),
+        resources=MODEL_STAGE,
+    ),
+    Stage(
+        name="evaluate", run=run_evaluate, settings=ReportCardSettings,
+        inputs={"package": PACKAGE, "latency": "latency.latency"}, optional_inputs=frozenset({"latency"}),
+        outputs=("report_card",), resources=MODEL_STAGE,
+    ),
+    # CLONE (issue 7), off by default: `stages.clone-collect.enabled: true` with `settings.budgets`, then
+    # clone-search; `stages.experts.enabled: true` for the LoRA-MoE experts. Widths need no recovery
+    # adapters, so all three read elastify's package and run beside recovery.
+    Stage(
+        name="clone-collect", run=run_clone_collect, settings=CollectSettings,
+        inputs={"package": "elastify.package", "latency": "latency.latency"}, optional_inputs=frozenset({"latency"}),
+        outputs=("records",), resources=SHARD, from_spec=_default_shards, fan_out=_count_shards,
+        enabled_by_default=False,
+    ),
+    Stage(
+        name="clone-search", run=run_clone_search, settings=SearchSettings,
+        inputs={"package": "elastify.package", "records": "clone-collect.records", "latency": "latency.latency"},
+        optional_inputs=frozenset({"latency"}), outputs=("profiles",), resources=MODEL_STAGE,
+        enabled_by_default=False,
+    ),
+    Stage(
+        name="experts", run=run_experts, settings=ExpertSettings, inputs={"package": "elastify.package"},
+        outputs=("experts",), resources=MODEL_STAGE, enabled_by_default=False,
+    ),
+    Stage(
+        name="publish", run=run_publish,
+        inputs={"package": PACKAGE, "report": "evaluate.report_card", "latency": "latency.latency",
+                "tlm": ("tlm-decision.tlm", "tlm-score.tlm"), "profiles": "clone-search.profiles",
+                "experts": "experts.experts"},
+        optional_inputs=frozenset({"report", "latency", "tlm", "profiles", "experts"}),
+        outputs=("package",), resources=Resources(num_cpus=1), runtime=("signing_key",), max_attempts=3,
+        publishes="package",
+    ),
+)

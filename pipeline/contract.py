@@ -1,0 +1,113 @@
+"""The stage contract: what a pipeline stage is, as one typed `Stage` object.
+
+A `Stage` carries everything the control plane needs to run it and nothing it has to look up
+by name: its pydantic `Settings` model (checked when a build is submitted, so a bad value is a
+422 naming the field), its named inputs and outputs, its fan-out rule, the resources it asks
+Ray for, and `run(inputs, settings, ctx)`, which receives the validated Settings instance.
+
+Why the declarations live apart from the algorithms: the API validates build specs and plans
+DAGs, and it must not import torch to do so. So every stage's Settings model is in
+`pipeline.settings` and every `Stage` in `pipeline.chain`, both torch-free; each stage's `run`
+there is a module-level function that imports its algorithm module (`from pipeline import
+recover`) only when a worker calls it. The import is a plain statement, so the import-direction
+test and a reader see the edge, and the function pickles by reference through Ray.
+
+`cluster/` runs any `Stage` it is given (cluster.registry) and names none: `api/` hands it
+`pipeline.chain.STAGES`. This module, like `pipeline.settings` and `pipeline.chain`, imports
+only pydantic and the standard library.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+SOURCE_PREFIX = "source."  # an input read from the spec's `source` (e.g. "source.model"), not from a stage
+
+
+class StageSettings(BaseModel):
+    """Base of every stage's Settings: an unknown setting is an error, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What one task of the stage asks Ray for."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    memory: int | None = None  # bytes
+    custom: Mapping[str, float] = field(default_factory=dict)  # e.g. {"fake_gpu": 0.5}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "memory": self.memory, "custom": dict(self.custom)}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One node of a fanned-out stage: its label (the `[…]` of the node key) and the settings it sets."""
+
+    label: str
+    settings: Mapping[str, Any]
+
+
+def input_refs(refs: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (refs,) if isinstance(refs, str) else tuple(refs)
+
+
+StageRun = Callable[[dict[str, Path], Any, Any], dict[str, Path]]  # (inputs, Settings instance, StageContext)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a build DAG. Example, one LoRA per level as a fan-out:
+
+        Stage(name="recover", run=run_recover, settings=RecoverSettings,
+              inputs={"package": "elastify.package"}, outputs=("adapter",), resources=Resources(num_gpus=1),
+              fan_out=lambda spec, settings: [Shard(name, {"level": name}) for name in ...])
+
+    A consumer of a fanned-out stage receives one input per shard, named `<input>.<shard label>`.
+    An input may name alternatives, `("recover-install.package", "elastify.package")`: the first
+    whose producer is enabled in the build is used, so optional stages can sit in a chain.
+    """
+
+    name: str
+    run: StageRun  # a module-level function, so that it pickles by reference
+    outputs: tuple[str, ...]
+    settings: type[StageSettings] = StageSettings
+    # input -> "source.<field>" or "<stage>.<output>", or a tuple of alternatives (first enabled wins)
+    inputs: Mapping[str, str | tuple[str, ...]] = field(default_factory=dict)
+    optional_inputs: frozenset[str] = frozenset()  # dropped when their producer is disabled or the source unset
+    resources: Resources = Resources()
+    # Settings the build spec supplies (e.g. calibration, levels); a value the user sets for the stage wins.
+    from_spec: Callable[[Any], dict[str, Any]] | None = None
+    fan_out: Callable[[Any, StageSettings], list[Shard]] | None = None  # (spec, settings) -> shards
+    runtime: tuple[str, ...] = ()  # values handed over at dispatch in ctx.runtime (build_id, signing_key); never stored
+    max_attempts: int = 3
+    enabled_by_default: bool = True
+    version: str = "1"  # bump when the stage's output changes for the same inputs: invalidates the cache
+    publishes: str | None = None  # the output that is a finished package, registered under the spec's `publish`
+
+    def __post_init__(self) -> None:
+        if "." in self.name or "[" in self.name:
+            raise ValueError(f"stage name {self.name!r} may not contain '.' or '['")
+        if self.publishes is not None and self.publishes not in self.outputs:
+            raise ValueError(f"stage {self.name}: publishes {self.publishes!r}, which is not one of its outputs")
+
+    def settings_for(self, spec, own: StageSettings | Mapping[str, Any] | None) -> StageSettings:
+        """This build's settings: what the spec supplies, overridden by the values the user set
+        (a validated Settings instance, or a dict from a spec parsed without a registry).
+
+        Raises pydantic.ValidationError when the combination is invalid (e.g. a required setting unset).
+        """
+        derived = self.from_spec(spec) if self.from_spec else {}
+        given = own.model_dump(include=own.model_fields_set) if isinstance(own, BaseModel) else dict(own or {})
+        return self.settings.model_validate({**derived, **given})
+
+    def shard_settings(self, settings: StageSettings, shard: Shard) -> StageSettings:
+        return self.settings.model_validate({**settings.model_dump(), **shard.settings})

