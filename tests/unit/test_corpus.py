@@ -49,7 +49,7 @@ def build(package: Path, root: Path, shards: int, **overrides) -> Path:
     settings = CorpusSettings(**{**TINY, **overrides})
     dirs = [generate_shard(package, settings.model_copy(update={"shard": k, "shards": shards}), root / f"gen{k}")
             for k in range(shards)]
-    return merge_corpus(dirs, settings, root / "corpus")
+    return merge_corpus(dirs, root / "corpus")
 
 
 @pytest.fixture(scope="module")
@@ -104,11 +104,14 @@ def test_token_counts_per_source(package):
                                            "b": {"texts": 1, "words": 2, "tokens": 4}}
 
 
-def test_merge_refuses_missing_shards(package, tmp_path):
+def test_merge_refuses_missing_shards_and_mixed_settings(package, tmp_path):
     settings = CorpusSettings(**TINY)
     first = generate_shard(package, settings.model_copy(update={"shard": 0, "shards": 2}), tmp_path / "gen0")
     with pytest.raises(CorpusError, match="not the 12 prompts"):
-        merge_corpus([first], settings, tmp_path / "corpus")
+        merge_corpus([first], tmp_path / "corpus")
+    other = generate_shard(package, CorpusSettings(**{**TINY, "seed": 4, "shard": 1, "shards": 2}), tmp_path / "gen1")
+    with pytest.raises(CorpusError, match="different settings"):
+        merge_corpus([first, other], tmp_path / "corpus")
 
 
 def test_recovery_data_is_disjoint_from_every_evaluation_set(corpus, tmp_path):
