@@ -21,6 +21,7 @@ DEFAULT_LEVELS = tuple(round(0.2 + 0.1 * i, 1) for i in range(9))
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
 DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
 DEFAULT_BINS = [round(0.1 * i, 1) for i in range(11)]  # CLONE's per-layer keep-ratio bins
+MAX_SHARDS = 256  # a fan-out is one DAG node (and row) per shard: bound what one spec can ask for
 
 Taylor = Literal["param_first", "vectorize"]
 LayerMethod = Literal["loo", "block_influence"]
@@ -153,7 +154,7 @@ class LabelSettings(StageSettings):
     start: int = Field(default=0, ge=0)  # the item range [start, stop) of the task list
     stop: PositiveInt | None = None
     shard: int = Field(default=0, ge=0)  # this worker labels every `shards`-th item of the range, from `shard`
-    shards: PositiveInt = 1  # the fan-out makes one task per shard
+    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)  # the fan-out makes one task per shard
     ratios: Ratios = Field(default_factory=lambda: list(RATIO_GRID))  # the prompt ratios to label
     levels: list[str] | None = None  # None: every level of the package
     force_tokens: list[str] = Field(default_factory=lambda: ["?"])
@@ -237,7 +238,7 @@ class CollectSettings(StageSettings):
     joules_per_byte: PositiveFloat | None = None
     seed: int = 0
     shard: int = Field(default=0, ge=0)
-    shards: PositiveInt = 1  # the fan-out makes one task per shard
+    shards: int = Field(default=1, ge=1, le=MAX_SHARDS)  # the fan-out makes one task per shard
 
     @model_validator(mode="after")
     def _consistent(self) -> CollectSettings:

@@ -141,7 +141,7 @@ BAD_SETTINGS = {
     "label-derive": ({"slos": [[0.5, -1.0]]}, ["slos.0.1"]),
     "tlm-decision": ({"rule": "heaviest"}, ["rule"]),
     "evaluate": ({"windows": 0, "ppl_noise": -0.1}, ["windows", "ppl_noise"]),
-    "clone-collect": ({"budgets": [], "ratio_bins": [0.5, 0.2]}, ["budgets", "ratio_bins"]),
+    "clone-collect": ({"budgets": [], "ratio_bins": [0.5, 0.2], "shards": 10_000}, ["budgets", "ratio_bins", "shards"]),
     "clone-search": ({"rounds": 0}, ["rounds"]),
     "experts": ({"tasks": ["arc_easy", "arc_easy"], "temperature": 0}, ["tasks", "temperature"]),
 }
