@@ -15,6 +15,7 @@ import time
 
 from common import print_table
 
+from device_sdk.format import parse_levels
 from pipeline.assets import prepare_smollm2
 from pipeline.calibration import make_windows
 from pipeline.elastic_model import ElasticCausalLM
@@ -31,7 +32,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--eval-length", type=int, default=256)
     args = parser.parse_args()
-    levels = [float(x) for x in args.levels.split(",")]
+    levels = [level.ratio for level in parse_levels(args.levels.split(","))]
     loaded = load_model(prepare_smollm2())
     arch = loaded.architecture
     started = time.perf_counter()

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from common import print_table
 
-from device_sdk.format import read_manifest
+from device_sdk.format import Level, parse_levels, read_manifest
 from device_sdk.latency import SLO
 from pipeline import label, latency, recover, tlm
 from pipeline.label import SLO_CLASSES
@@ -69,7 +69,7 @@ def policy_choice(policy, item_index, prompt, tokens, slo, ratios, levels, profi
                                      lambda r, m: r in ratios and latency.feasible(profile, m, r, tokens, target))
         return (ratios.index(ratio), levels.index(level)) if feasible_found else (0, 0)
     if policy == "llm-pruner":
-        fitting = [m for m, name in enumerate(levels) if float(name) <= slo[0] + 1e-9] or [0]
+        fitting = [m for m, name in enumerate(levels) if Level(name).ratio <= slo[0] + 1e-9] or [0]
         return len(ratios) - 1, max(fitting)
     if policy == "prompt-only":
         full = len(levels) - 1
@@ -188,7 +188,7 @@ def main() -> None:
         print(f"[{name}] {timings[name]} s", flush=True)
         return result
 
-    levels = [float(x) for x in args.levels.split(",")]
+    levels = [level.ratio for level in parse_levels(args.levels.split(","))]
     ratios = [float(x) for x in args.ratios.split(",")]
     tasks = args.tasks.split(",")
     reuse = args.reuse and (args.out / "package" / "model").is_dir()

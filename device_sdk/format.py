@@ -9,8 +9,11 @@ without importing torch. The weights side (writing tensors, reading a tensor's p
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
+import math
+import numbers
 import os
 import struct
 import tempfile
@@ -65,11 +68,94 @@ class Architecture:
             raise PackageError(f"architecture.heads ({self.heads}) is not a multiple of kv_heads ({self.kv_heads})")
 
 
-@dataclass
-class Level:
-    """One whole-model width: how many units every layer keeps."""
+# --------------------------------------------------------------------------- levels
 
-    name: str  # canonical string of the ratio, e.g. "0.5"; also the key in byte_ranges
+LEVEL_DECIMALS = 6  # a level's ratio is kept to this many decimals; its name is that ratio's repr
+
+
+@functools.total_ordering
+class Level:
+    """One whole-model width: a ratio in (0, 1] and its one canonical name ("0.5", "1.0").
+
+    Built from a ratio or from a name; two levels are equal when their ratios agree to
+    `LEVEL_DECIMALS` decimals, they order by ratio and hash by it, so levels compare, sort and
+    key dicts without any float/string round trip. The name is the level's key in the manifest
+    (byte ranges, adapters, latency profiles) and in stage shards.
+    """
+
+    __slots__ = ("name", "ratio")
+    name: str
+    ratio: float
+
+    def __init__(self, value: Level | float | str) -> None:
+        ratio = value.ratio if isinstance(value, Level) else _level_ratio(value)
+        object.__setattr__(self, "ratio", ratio)
+        object.__setattr__(self, "name", repr(ratio))
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError("a Level is immutable")
+
+    def __reduce__(self):
+        return (Level, (self.ratio,))
+
+    def __eq__(self, other: object) -> bool:
+        return self.ratio == other.ratio if isinstance(other, Level) else NotImplemented
+
+    def __lt__(self, other: Level) -> bool:
+        return self.ratio < other.ratio if isinstance(other, Level) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.ratio)
+
+    def __repr__(self) -> str:
+        return f"Level({self.name})"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _level_ratio(value: float | str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)):
+        raise ValueError(f"a level is a ratio in (0, 1] or its name; got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"level {value!r} is not a number") from None
+    if math.isnan(number) or not 0.0 < number <= 1.0:
+        raise ValueError(f"a level must be in (0, 1]; got {value!r}")
+    ratio = round(number, LEVEL_DECIMALS)
+    if ratio == 0.0:
+        raise ValueError(f"level {value!r} rounds to 0.0 at {LEVEL_DECIMALS} decimals, so it would have no name of its own")
+    return ratio
+
+
+def parse_levels(values: Iterable[Level | float | str]) -> tuple[Level, ...]:
+    """A build's levels, checked: not empty, each a valid level, no two with one name, increasing."""
+    given = list(values)
+    levels = tuple(Level(value) for value in given)
+    if not levels:
+        raise ValueError("levels must not be empty")
+    first_of: dict[Level, float | str] = {}
+    for value, level in zip(given, levels, strict=True):
+        if level in first_of:
+            raise ValueError(f"levels {first_of[level]!r} and {value!r} are both level {level.name} "
+                             f"(ratios are kept to {LEVEL_DECIMALS} decimals)")
+        first_of[level] = value
+    for below, above in zip(levels, levels[1:], strict=False):
+        if not below < above:
+            raise ValueError(f"levels must be strictly increasing; {above.name} comes after {below.name}")
+    return levels
+
+
+# The default widths of a build: 20% to 100% of the model in steps of 10%.
+DEFAULT_LEVELS: tuple[Level, ...] = tuple(Level(round(0.2 + 0.1 * i, 1)) for i in range(9))
+
+
+@dataclass
+class LevelShape:
+    """What one level keeps: units per layer, and what that costs. One entry of `elastic.levels`."""
+
+    name: str  # the level's canonical name, e.g. "0.5"; also the key in byte_ranges
     ratio: float
     attn_units: list[int]  # kept KV groups per layer
     mlp_units: list[int]  # kept MLP neurons per layer
@@ -77,6 +163,10 @@ class Level:
     active_fraction: float  # active_params / the full model's active_params
     adapter: str | None = None  # adapters/recovery/<name>.safetensors once recovery ran
     quality: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def level(self) -> Level:
+        return Level(self.ratio)
 
 
 @dataclass
@@ -94,16 +184,20 @@ class Elastic:
     anchor_layers: list[int]
     attn_units: list[int]  # total KV groups per layer
     mlp_units: list[int]  # total neurons per layer
-    levels: list[Level]
+    levels: list[LevelShape]
     tensors: dict[str, ElasticTensor]
     importance: dict[str, Any] = field(default_factory=dict)  # method, calibration, layer scores
 
-    def level(self, key: str | float) -> Level:
-        name = level_name(key) if not isinstance(key, str) else key
-        for level in self.levels:
-            if level.name == name:
-                return level
-        raise PackageError(f"no level {key!r}; the package has {[lv.name for lv in self.levels]}")
+    def level(self, key: Level | float | str) -> LevelShape:
+        """The shape of one level, given as a Level, a ratio or a name."""
+        try:
+            wanted = Level(key)
+        except ValueError as bad:
+            raise PackageError(str(bad)) from None
+        for shape in self.levels:
+            if shape.level == wanted:
+                return shape
+        raise PackageError(f"no level {wanted.name}; the package has {[shape.name for shape in self.levels]}")
 
 
 @dataclass
@@ -148,7 +242,7 @@ class Manifest:
                 anchor_layers=list(el["anchor_layers"]),
                 attn_units=list(el["attn_units"]),
                 mlp_units=list(el["mlp_units"]),
-                levels=[_build(Level, lv, "elastic.levels[]") for lv in el["levels"]],
+                levels=[_build(LevelShape, lv, "elastic.levels[]") for lv in el["levels"]],
                 tensors={k: _build(ElasticTensor, v, f"elastic.tensors[{k}]") for k, v in el["tensors"].items()},
                 importance=dict(el.get("importance", {})),
             )
@@ -176,16 +270,23 @@ class Manifest:
             raise PackageError("elastic unit counts must have one entry per layer")
         if not el.levels:
             raise PackageError("elastic.levels is empty")
-        previous, below = 0.0, None
+        below = None
         for level in el.levels:
+            try:
+                value = level.level
+            except ValueError as bad:
+                raise PackageError(f"elastic.levels: {bad}") from None
+            if level.name != value.name:
+                raise PackageError(f"level name {level.name!r} is not the canonical name {value.name!r} of its ratio")
+            if below is not None and value == below.level:
+                raise PackageError(f"two levels are both level {value.name}")
+            if below is not None and not below.level < value:
+                raise PackageError(f"levels must increase; {value.name} comes after {below.name}")
             if below is not None and any(
                 a < b for a, b in zip(level.attn_units + level.mlp_units, below.attn_units + below.mlp_units, strict=True)
             ):
                 raise PackageError(f"level {level.name} keeps fewer units than level {below.name} in some layer")
             below = level
-            if not previous < level.ratio <= 1.0:
-                raise PackageError(f"level ratios must increase within (0, 1]; got {level.ratio} after {previous}")
-            previous = level.ratio
             for layer, (a, m) in enumerate(zip(level.attn_units, level.mlp_units, strict=True)):
                 if not (0 <= a <= el.attn_units[layer] and 0 <= m <= el.mlp_units[layer]):
                     raise PackageError(f"level {level.name} keeps more units than layer {layer} has")
@@ -274,11 +375,6 @@ def _build(kind, data: Mapping[str, Any], where: str):
         return kind(**data)
     except TypeError as err:
         raise PackageError(f"{where} is malformed: {err}") from None
-
-
-def level_name(ratio: float) -> str:
-    """Canonical, stable key for a level ratio: 0.5 -> "0.5", 1 -> "1.0"."""
-    return repr(round(float(ratio), 6))
 
 
 # --------------------------------------------------------------------------- canonical JSON and signing
@@ -397,10 +493,11 @@ def _row_elements(shape: list[int]) -> int:
     return count
 
 
-def level_byte_ranges(manifest: Manifest, level: str) -> list[tuple[int, int]]:
+def level_byte_ranges(manifest: Manifest, level: Level | float | str) -> list[tuple[int, int]]:
     """Merged, sorted byte ranges of the weights file that `level` (and every smaller level) needs."""
+    name = Level(level).name
     spans = [tuple(manifest.byte_ranges["header"])]
-    spans += [tuple(per_level[level]) for per_level in manifest.byte_ranges["tensors"].values()]
+    spans += [tuple(per_level[name]) for per_level in manifest.byte_ranges["tensors"].values()]
     merged: list[list[int]] = []
     for start, end in sorted(spans):
         if end <= start:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.format import Level, atomic_write_bytes
+from device_sdk.format import Level, LevelShape, atomic_write_bytes
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ class LatencyProfile:
         return self.levels[level].tpot_ms
 
     def largest_level(self) -> str:
-        return max(self.levels, key=float)
+        return max(self.levels, key=Level)
 
     def save(self, path: Path) -> None:
         atomic_write_bytes(Path(path), json.dumps(asdict(self), indent=2).encode())
@@ -119,10 +119,10 @@ class Decision:
     feasible: bool = True
 
 
-def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[Level]) -> Decision:
+def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
     """The largest level predicted to meet both targets; the smallest when none is."""
     target = slo.absolute(profile, prompt_tokens)
-    ordered = sorted(levels, key=lambda level: level.ratio)
+    ordered = sorted(levels, key=lambda shape: shape.level)
     for level in reversed(ordered):
         ttft = profile.ttft_ms(level.name, prompt_tokens)
         tpot = profile.tpot_ms(level.name)

@@ -22,6 +22,7 @@ from device_sdk.format import (
     WEIGHTS,
     Architecture,
     Elastic,
+    Level,
     Manifest,
     PackageError,
     byte_ranges_for,
@@ -31,11 +32,11 @@ from device_sdk.format import (
 )
 
 
-def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: str) -> torch.Tensor:
+def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: Level | float | str) -> torch.Tensor:
     """Read only the bytes `level` needs of one tensor, straight from its byte range."""
     _, header = safetensors_layout(Path(package_dir) / WEIGHTS)
     info = header[name]
-    start, end = manifest.byte_ranges["tensors"][name][level]
+    start, end = manifest.byte_ranges["tensors"][name][Level(level).name]
     with open(Path(package_dir) / WEIGHTS, "rb") as handle:
         handle.seek(start)
         raw = handle.read(end - start)

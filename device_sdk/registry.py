@@ -43,6 +43,7 @@ from device_sdk.client import ElastifyAPIError, ElastifyClient
 from device_sdk.format import (
     MANIFEST,
     WEIGHTS,
+    Level,
     Manifest,
     PackageError,
     atomic_write_bytes,
@@ -326,8 +327,8 @@ def pull(
     version, raw_manifest = source.release(name, version_or_alias)
     prefix = f"packages/{name}/{version}"
     manifest = _trusted_manifest(raw_manifest, name, version, public_key)
-    level = None if max_level is None else manifest.elastic.level(max_level).name
-    if level is not None and level == manifest.elastic.levels[-1].name:
+    level = None if max_level is None else manifest.elastic.level(max_level).level
+    if level is not None and level == manifest.elastic.levels[-1].level:
         level = None  # the largest level needs every byte: a full pull
 
     root = Path(cache_dir) if cache_dir is not None else default_cache()
@@ -343,7 +344,7 @@ def pull(
             "name": name,
             "version": version,
             "registry": registry.base_url + "/v1" if isinstance(registry, ElastifyClient) else str(registry),
-            "max_level": level,
+            "max_level": None if level is None else level.name,
             "files": files,
             "bytes": needed_bytes,
             "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 (SDK runs on 3.10)
@@ -372,19 +373,19 @@ def _trusted_manifest(raw: bytes, name: str, version: str, public_key) -> Manife
     return manifest
 
 
-def _covers(state: dict | None, level: str | None) -> bool:
+def _covers(state: dict | None, level: Level | None) -> bool:
     if state is None:
         return False
     held = state.get("max_level")
-    return held is None or (level is not None and float(level) <= float(held))
+    return held is None or (level is not None and level <= Level(held))
 
 
-def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: str | None, workers: int,
+def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: Level | None, workers: int,
            on_progress: Callable[[int, int], None] | None = None) -> tuple[list[str], int]:
     """Every needed (file, byte range) in parallel; returns the files the copy holds and the bytes needed."""
     skipped_adapters = set()
     if level is not None:
-        skipped_adapters = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.ratio > float(level)}
+        skipped_adapters = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.level > level}
     jobs = []
     files = []
     for entry in manifest.files:

@@ -27,6 +27,7 @@ from device_sdk.format import (
     WEIGHTS,
     CloneProfile,
     Level,
+    LevelShape,
     Manifest,
     PackageError,
     clone_profiles,
@@ -88,7 +89,8 @@ class ElasticModel:
         self.manifest = manifest
         self.tokenizer = tokenizer
         self.weight_format = weight_format
-        self.held_level = held_level  # a partial pull holds levels up to this one only
+        # a partial pull holds levels up to this one only
+        self.held_level = None if held_level is None else Level(held_level)
         make = partial(make_linear, weight_format=weight_format, native=native)
         self.transformer = Transformer(manifest.architecture, weights, make)
         self.transformer.decoder = NativeDecoder.build(self.transformer)  # None: decode on the torch path
@@ -156,12 +158,12 @@ class ElasticModel:
     def available_levels(self) -> list[str]:
         return [level.name for level in self.manifest.elastic.levels if self.holds(level.name)]
 
-    def holds(self, level: str) -> bool:
-        return self.held_level is None or float(level) <= float(self.held_level)
+    def holds(self, level: Level | float | str) -> bool:
+        return self.held_level is None or Level(level) <= self.held_level
 
     def set_level(self, level: str | float) -> None:
         """Switch to a package level and its LoRA: one cursor write for the widths, no weight data copied."""
-        chosen: Level = self.manifest.elastic.level(level)
+        chosen: LevelShape = self.manifest.elastic.level(level)
         if not self.holds(chosen.name):
             raise PackageError(
                 f"level {chosen.name} is above {self.held_level}, the most this partial copy holds; pull it again"

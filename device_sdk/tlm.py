@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from device_sdk.encoder import Encoder, load_tokenizer
-from device_sdk.format import Level
+from device_sdk.format import Level, LevelShape
 from device_sdk.latency import SLO, Decision, LatencyProfile, feasible
 
 WORD = re.compile(r"\S+")
@@ -125,7 +125,7 @@ def best_feasible_pair(ratio_log_probs: torch.Tensor, level_log_probs: torch.Ten
             if score > best_score and is_feasible(ratio, level):
                 best, best_score = (ratio, level), score
     if best is None:
-        return min(ratios), min(levels, key=float), False
+        return min(ratios), min(levels, key=Level), False
     return best[0], best[1], True
 
 
@@ -148,7 +148,7 @@ class TLM:
         self.score_layers = [f"score_layers.{i}." for i in range(branch)]
         self.decision_layers = [f"decision_layers.{i}." for i in range(branch)]
         self.ratios = [float(r) for r in config["ratio_grid"]]
-        self.levels = [str(m) for m in config["level_grid"]]
+        self.levels = [Level(m).name for m in config["level_grid"]]
 
     @classmethod
     def load(cls, tlm_dir: Path) -> TLM:
@@ -209,7 +209,7 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     levels this copy holds, and pairs the profile predicts to meet the SLO, are eligible.
     """
 
-    def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[Level]) -> Decision:
+    def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
         target = slo.absolute(profile, prompt_tokens)
         full = profile.largest_level()
         ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
@@ -220,7 +220,7 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
             lambda r, m: m in held and feasible(profile, m, r, prompt_tokens, target),
         )
         if not met:  # best effort: the lightest pair this copy holds
-            level = min(held, key=float)
+            level = min(held, key=Level)
         return Decision(level, ratio, met)
 
     return decide

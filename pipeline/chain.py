@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from device_sdk.format import level_name
+from device_sdk.format import Level
 from pipeline.contract import Resources, Shard, Stage, StageSettings
 from pipeline.settings import (
     CollectSettings,
@@ -65,7 +65,7 @@ def _default_shards(spec) -> dict:
 
 def _recover_shards(spec, settings: RecoverSettings) -> list[Shard]:
     """One LoRA per level below full width (the full model needs no recovery)."""
-    return [Shard(level_name(m), {"level": level_name(m)}) for m in spec.levels if m < 1.0]
+    return [Shard(level.name, {"level": level.name}) for level in map(Level, spec.levels) if level.ratio < 1.0]
 
 
 def _count_shards(spec, settings: LabelSettings | CollectSettings) -> list[Shard]:

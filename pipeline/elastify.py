@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.format import Architecture, Elastic, ElasticTensor, Level, level_name
+from device_sdk.format import Architecture, Elastic, ElasticTensor, LevelShape, parse_levels
 from device_sdk.package import write_package
 from pipeline.profile import Importance
 from pipeline.settings import ElastifySettings
@@ -105,14 +105,15 @@ def layer_widths(arch: Architecture, keep: float, settings: ElastifySettings) ->
     return groups, kept_units(arch.intermediate, min(neuron_ratio, 1.0), settings.min_units, settings.align)
 
 
-def level_table(arch: Architecture, anchors: list[int], settings: ElastifySettings) -> list[Level]:
+def level_table(arch: Architecture, anchors: list[int], settings: ElastifySettings) -> list[LevelShape]:
     """Per-level kept units. Level m targets m of the decoder's elastic parameters; anchors
     stay whole, so the other layers keep (m·L − A)/(L − A) each. A layer never keeps fewer
     units at a higher level, so every level's units are a prefix of the next level's."""
     n_layers, n_anchor = arch.layers, len(anchors)
     full = active_params(arch, [arch.kv_heads] * n_layers, [arch.intermediate] * n_layers)
-    levels: list[Level] = []
-    for ratio in settings.levels:
+    levels: list[LevelShape] = []
+    for level in parse_levels(settings.levels):
+        ratio = level.ratio
         keep = 1.0 if ratio >= 1.0 else max(0.0, (ratio * n_layers - n_anchor) / (n_layers - n_anchor))
         attn, mlp = [], []
         for layer in range(n_layers):
@@ -124,9 +125,9 @@ def level_table(arch: Architecture, anchors: list[int], settings: ElastifySettin
             mlp.append(neurons)
         count = active_params(arch, attn, mlp)
         levels.append(
-            Level(
-                name=level_name(ratio),
-                ratio=float(ratio),
+            LevelShape(
+                name=level.name,
+                ratio=level.ratio,
                 attn_units=attn,
                 mlp_units=mlp,
                 active_params=count,

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import Level, atomic_write_bytes, read_manifest, rewrite_manifest
 from pipeline.calibration import make_windows
 from pipeline.elastic_model import ElasticCausalLM
 from pipeline.lm import perplexity
@@ -135,7 +135,7 @@ def gate_failures(card: dict, ppl_noise: float, accuracy_noise: float | None) ->
     LoRA was trained on the evaluation's domain (PTB train for PTB test, by default) may well beat
     the unadapted full model; that says nothing about the level order.
     """
-    names = sorted(card["levels"], key=float)
+    names = sorted(card["levels"], key=Level)
     failures = []
     for i, narrow in enumerate(names):
         for wide in names[i + 1:]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.format import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import LevelShape, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.latency import EnergyProfile, LatencyProfile, LevelLatency, feasible  # noqa: F401 (re-exported)
 from pipeline.elastify import active_params
 from pipeline.settings import LatencySettings
@@ -49,7 +49,7 @@ class LevelCost:
         return self.flops_per_token * tokens + self.attn_flops_per_pair * tokens * tokens / 2
 
 
-def level_cost(manifest: Manifest, level: Level, element_size: int = 4) -> LevelCost:
+def level_cost(manifest: Manifest, level: LevelShape, element_size: int = 4) -> LevelCost:
     return widths_cost(manifest, level.attn_units, level.mlp_units, element_size, level.active_params)
 
 

@@ -14,10 +14,9 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, model_validator
 
+from device_sdk.format import DEFAULT_LEVELS, parse_levels
 from pipeline.contract import StageSettings
 
-# TODO(issue 12): one `Level` value type (device_sdk.format) replaces these floats and their names.
-DEFAULT_LEVELS = tuple(round(0.2 + 0.1 * i, 1) for i in range(9))
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
 DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
 DEFAULT_BINS = [round(0.1 * i, 1) for i in range(11)]  # CLONE's per-layer keep-ratio bins
@@ -35,11 +34,8 @@ PROJECTIONS, BACKENDS, STRATEGIES = get_args(Projection), get_args(Backend), get
 
 
 def _increasing_levels(levels: list[float]) -> list[float]:
-    if any(not 0.0 < m <= 1.0 for m in levels):
-        raise ValueError(f"every level must be in (0, 1]; got {levels}")
-    if any(b <= a for a, b in zip(levels, levels[1:], strict=False)):
-        raise ValueError(f"levels must be strictly increasing; got {levels}")
-    return levels
+    """Each a device_sdk.format.Level (so no two share a name), strictly increasing; kept as their canonical ratios."""
+    return [level.ratio for level in parse_levels(levels)]
 
 
 def _increasing_ratios(ratios: list[float]) -> list[float]:
@@ -75,7 +71,7 @@ class ProfileSettings(StageSettings):
 
 
 class ElastifySettings(StageSettings):
-    levels: Levels = Field(default_factory=lambda: list(DEFAULT_LEVELS))
+    levels: Levels = Field(default_factory=lambda: [level.ratio for level in DEFAULT_LEVELS])
     anchor_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     align: PositiveInt = 32  # MLP neurons are kept in multiples of this
     min_units: PositiveInt = 1

@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from torch import nn
 
-from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.format import Level, atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.tlm import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -361,7 +361,7 @@ def decision_examples(tlm: DualHeadTLM, tokenizer, rows: list[dict]):
         text = slo_prefix(cfg.ttft_bins, cfg.tpot_bins, row["ttft"], row["tpot"]) + row["prompt"]
         ids = tokenizer(text, truncation=True, max_length=cfg.max_length)["input_ids"]
         ratio = _grid_index(cfg.ratio_grid, float(row["ratio"]))
-        level = cfg.level_grid.index(str(row["level"]))
+        level = cfg.level_grid.index(Level(row["level"]).name)
         examples.append((ids, (ratio, level)))
     return examples
 

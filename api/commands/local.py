@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from api.progress import configure_logging, console, fail, progress_bars
+from device_sdk.format import DEFAULT_LEVELS
 
 assets_app = typer.Typer(no_args_is_help=True, help="Real models and data that ship as packages.")
 log = logging.getLogger("elastify")
@@ -36,7 +37,7 @@ def _float_list(text: str, option: str) -> list[float]:
 def elastify_command(
     model: str = typer.Option(..., "--model", help="HF model directory or .gguf file"),
     out: Path = typer.Option(..., "--out", help="package directory to create"),
-    levels: str = typer.Option("0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="comma-separated, increasing, in (0, 1]"),
+    levels: str = typer.Option(",".join(level.name for level in DEFAULT_LEVELS), help="comma-separated, increasing, in (0, 1]"),
     anchor_fraction: float = typer.Option(0.2, help="share of layers kept whole"),
     calib: list[str] = typer.Option(["ptb:train"], help="calibration text: ptb:<split>, lambada, or .txt/.jsonl"),
     windows: int = typer.Option(16, help="calibration windows"),

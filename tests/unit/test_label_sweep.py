@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from device_sdk.format import Level
 from tests.unit.elastilm_fixtures import (
     latency_report,
     recovered_package,
@@ -167,7 +168,7 @@ def test_label_derived_labels_are_feasible_under_the_cost_model():
             assert feasible(profile, row["level"], row["ratio"], tokens_of[row["item"]], slo), row
     # the lightest-correct rule never picks a heavier level than the most-capable rule
     for capable, lightest in zip(labels["rules"]["capable"], labels["rules"]["lightest"], strict=True):
-        assert float(lightest["level"]) <= float(capable["level"])
+        assert Level(lightest["level"]) <= Level(capable["level"])
 
 
 def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
@@ -189,7 +190,7 @@ def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
         assert torch.equal(a, b)
     assert tokenizer.convert_tokens_to_ids("[TTFT_0.2]") >= base
     ratio, level, ok = tlm.decide(trained, tokenizer, "Question: why?", 0.4, 0.7,
-                                  lambda r, m: float(m) <= 0.5 and r <= 0.5)
-    assert ok and float(level) <= 0.5 and ratio <= 0.5
+                                  lambda r, m: Level(m) <= Level(0.5) and r <= 0.5)
+    assert ok and Level(level) <= Level(0.5) and ratio <= 0.5
     _, _, ok = tlm.decide(trained, tokenizer, "Question: why?", 0.4, 0.7, lambda r, m: False)
     assert not ok

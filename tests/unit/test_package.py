@@ -93,7 +93,7 @@ def test_missing_file_and_bad_manifest_are_detected(copy_of):
 
 def test_manifest_schema_rejects_bad_levels(package):
     data = json.loads((package / MANIFEST).read_text())
-    data["elastic"]["levels"][0]["ratio"] = 0.9  # no longer increasing
+    data["elastic"]["levels"][0].update(name="0.9", ratio=0.9)  # no longer increasing
     with pytest.raises(PackageError, match="increase"):
         Manifest.from_dict(data)
     data = json.loads((package / MANIFEST).read_text())

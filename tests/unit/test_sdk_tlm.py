@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from device_sdk.format import Level
 from device_sdk.latency import SLO, LatencyProfile, LevelLatency
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM, TLMError
@@ -78,7 +79,8 @@ def _package_with_tlm(tmp_path, favourite_level: str, favourite_ratio: float):
 
 def _profile(levels: list[str]) -> LatencyProfile:
     """Latency proportional to the level: level m costs m × the full model."""
-    return LatencyProfile("fp32", 1, {m: LevelLatency(1.0 * float(m), 0.5 * float(m), 10.0 * float(m)) for m in levels})
+    return LatencyProfile("fp32", 1, {level.name: LevelLatency(1.0 * level.ratio, 0.5 * level.ratio, 10.0 * level.ratio)
+                                       for level in map(Level, levels)})
 
 
 def test_generate_follows_the_tlm_decision_and_compresses_the_prompt(tmp_path):
@@ -94,7 +96,7 @@ def test_generate_follows_the_tlm_decision_and_compresses_the_prompt(tmp_path):
 
     # The favourite level is too slow for this SLO: the TLM's best feasible pair is chosen instead.
     tight = model.generate(prompt, slo=SLO.fraction(ttft=1.0, tpot=0.3), max_new_tokens=2)
-    assert float(tight.level) <= 0.3 and tight.decision.feasible
+    assert Level(tight.level) <= Level(0.3) and tight.decision.feasible
 
     # Nothing meets it: best effort at the smallest level, reported as not met.
     hopeless = model.generate(prompt, slo=SLO(ttft_ms=1e-6, tpot_ms=1e-6), max_new_tokens=2)
