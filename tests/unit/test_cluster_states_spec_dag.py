@@ -144,6 +144,8 @@ BAD_SETTINGS = {
     "clone-collect": ({"budgets": [], "ratio_bins": [0.5, 0.2], "shards": 10_000}, ["budgets", "ratio_bins", "shards"]),
     "clone-search": ({"rounds": 0}, ["rounds"]),
     "experts": ({"tasks": ["arc_easy", "arc_easy"], "temperature": 0}, ["tasks", "temperature"]),
+    "corpus-generate": ({"prompts": 0, "sources": ["wikipedia"], "heldout_fraction": 0.5},
+                        ["prompts", "sources", "heldout_fraction"]),
 }
 
 
