@@ -21,6 +21,7 @@ from device_sdk.format import Level
 from pipeline.contract import Resources, Shard, Stage, StageSettings
 from pipeline.settings import (
     CollectSettings,
+    CorpusSettings,
     DecisionSettings,
     DeriveSettings,
     ElastifySettings,
@@ -68,8 +69,8 @@ def _recover_shards(spec, settings: RecoverSettings) -> list[Shard]:
     return [Shard(level.name, {"level": level.name}) for level in map(Level, spec.levels) if level.ratio < 1.0]
 
 
-def _count_shards(spec, settings: LabelSettings | CollectSettings) -> list[Shard]:
-    """label, clone-collect: shard k of n works on every n-th item (vector) of the same seeded list."""
+def _count_shards(spec, settings: LabelSettings | CollectSettings | CorpusSettings) -> list[Shard]:
+    """label, clone-collect, corpus-generate: shard k of n works on every n-th item (vector, prompt) of the same seeded list."""
     return [Shard(str(k), {"shard": k, "shards": settings.shards}) for k in range(settings.shards)]
 
 
@@ -154,6 +155,18 @@ def run_experts(inputs: Inputs, settings: ExpertSettings, ctx: StageContext) -> 
     return experts.run(inputs, settings, ctx)
 
 
+def run_corpus_generate(inputs: Inputs, settings: CorpusSettings, ctx: StageContext) -> Inputs:
+    from pipeline import corpus
+
+    return corpus.run_generate(inputs, settings, ctx)
+
+
+def run_corpus(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
+    from pipeline import corpus
+
+    return corpus.run_merge(inputs, settings, ctx)
+
+
 def run_publish(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
     from pipeline import publish
 
@@ -228,6 +241,18 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="experts", run=run_experts, settings=ExpertSettings, inputs={"package": "elastify.package"},
         outputs=("experts",), resources=MODEL_STAGE, enabled_by_default=False,
+    ),
+    # The recovery corpus (issue 13), off until recovery reads it: the full model answers packaged
+    # prompts on shards, then `corpus` merges them with packaged text, disjoint from every evaluation set.
+    # The merge has no settings: it takes those the shards were generated with.
+    Stage(
+        name="corpus-generate", run=run_corpus_generate, settings=CorpusSettings,
+        inputs={"package": "elastify.package"}, outputs=("generated",), resources=SHARD,
+        from_spec=_default_shards, fan_out=_count_shards, enabled_by_default=False,
+    ),
+    Stage(
+        name="corpus", run=run_corpus, inputs={"package": "elastify.package", "generated": "corpus-generate.generated"},
+        outputs=("corpus",), resources=Resources(num_cpus=1), enabled_by_default=False,
     ),
     Stage(
         name="publish", run=run_publish,

@@ -289,3 +289,44 @@ class ExpertSettings(StageSettings):
         return RecoverSettings(level=level, steps=self.steps, batch_size=self.batch_size, seq_len=self.seq_len,
                                rank=self.rank, alpha=self.alpha, dropout=self.dropout, lr=self.lr, seed=self.seed,
                                warmup_steps=min(5, self.steps))
+
+
+# The recovery corpus (pipeline.corpus): what its generated prompts and its plain text are drawn from.
+PROMPT_SOURCES = ("arc_test", "coqa", "drop", "jeopardy", "obqa_test", "ptb", "sciriff", "squad")
+PASSAGE_SOURCES = ("coqa", "drop", "sciriff", "squad")
+
+
+def _subset_of(allowed: tuple[str, ...]):
+    def check(names: list[str]) -> list[str]:
+        unknown = sorted(set(names) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown sources {unknown}; use some of {list(allowed)}")
+        return _unique(names)
+
+    return check
+
+
+class CorpusSettings(StageSettings):
+    """corpus-generate (one task per shard) and corpus (the merge, which reads these from the shards)."""
+
+    seed: int = 0
+    prompts: PositiveInt = 256  # drawn round-robin over `sources`, recovery and held-out together
+    sources: Annotated[list[str], Field(min_length=1), AfterValidator(_subset_of(PROMPT_SOURCES))] = Field(
+        default_factory=lambda: list(PROMPT_SOURCES))
+    max_new_tokens: int = Field(default=128, ge=1, le=4096)
+    max_prompt_words: int = Field(default=320, ge=16)  # prompts with longer passages are skipped
+    # packaged passages kept as plain recovery text
+    passages: Annotated[list[str], AfterValidator(_subset_of(PASSAGE_SOURCES))] = Field(
+        default_factory=lambda: list(PASSAGE_SOURCES))
+    ptb_lines_per_text: int = Field(default=32, ge=0)  # PTB-train lines per plain-text record; 0: no PTB text
+    heldout_fraction: float = Field(default=0.1, gt=0.0, lt=0.5)
+    min_overlap_words: PositiveInt = 4  # shorter lines are not compared with the evaluation sets
+    eval_tasks: list[str] | None = None  # multiple-choice tasks kept disjoint; None: every task of pipeline.label
+    shard: int = Field(default=0, ge=0)
+    shards: int = Field(default=1, ge=1, le=256)
+
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> CorpusSettings:
+        if self.shard >= self.shards:
+            raise ValueError(f"shard {self.shard} is not below shards {self.shards}")
+        return self
