@@ -135,6 +135,12 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
                 for s in shards
             ]
         )
+        keys = [node.key for node in nodes]
+        if clashes := sorted({key for key in keys if keys.count(key) > 1}):
+            # Two shards with one key would be two stage rows with one (build, key): refuse, naming them.
+            problems.append((f"stages.{stage.name}", f"fans out to several shards with one key: {clashes}"))
+            shards_of[stage.name] = []
+            continue
         shards_of[stage.name] = nodes
         planned += nodes
     if problems:

@@ -15,6 +15,8 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import case, func, select, update
+from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -36,6 +38,10 @@ class IdempotencyConflict(RuntimeError):
     """The idempotency key was already used with a different spec."""
 
 
+class SubmissionFailed(RuntimeError):
+    """Writing a build's rows broke a database constraint that no valid spec can (a bug, not a retry)."""
+
+
 class StateConflict(RuntimeError):
     """The build is not in a state that allows the request (e.g. retrying a running build)."""
 
@@ -47,9 +53,12 @@ class Submission:
 
 
 def ensure_tenant(session: Session, tenant: str) -> None:
-    if session.get(Tenant, tenant) is None:
-        session.add(Tenant(id=tenant))
-        session.flush()
+    """Create the tenant row unless it exists. INSERT … ON CONFLICT DO NOTHING, so two first requests of
+    one tenant racing each other both succeed (the loser waits for the winner's row) instead of failing."""
+    if session.get(Tenant, tenant) is not None:
+        return
+    insert = postgresql_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    session.execute(insert(Tenant).values(id=tenant, created_at=utcnow()).on_conflict_do_nothing(index_elements=["id"]))
 
 
 def _locked_tenant(session: Session, tenant: str) -> Tenant:
@@ -152,13 +161,15 @@ def submit(
             if enforce_quotas:
                 enforce_quota(session, row)
             return Submission(_insert_build(session, spec, spec_hash, planned, tenant, idempotency_key), True)
-    except IntegrityError:
-        # A concurrent first submission of the tenant, or of the same key, won the insert.
+    except IntegrityError as err:
+        # The one conflict a submission can meet by right: a concurrent submission with the same
+        # idempotency key committed first (the tenant row lock serialises these, so this is a
+        # backstop). Its build is the answer. Anything else is a bug, reported once, never retried.
         if idempotency_key is not None:
             with sessions() as session:
                 if replay := _replay(session, tenant, idempotency_key, spec_hash):
                     return replay
-        return submit(sessions, spec, registry, tenant, idempotency_key, enforce_quotas)
+        raise SubmissionFailed(f"build could not be stored: {err.orig}") from err
 
 
 def _insert_build(session: Session, spec: BuildSpec, spec_hash: str, planned, tenant: str,

@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, StrictFloat, model_validator
 
 from device_sdk.format import DEFAULT_LEVELS, parse_levels
 from pipeline.contract import StageSettings
@@ -52,8 +52,9 @@ def _unique(items: list) -> list:
     return items
 
 
-# Model widths as fractions of the full model: non-empty, strictly increasing, in (0, 1].
-Levels = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_levels)]
+# Model widths as fractions of the full model: non-empty, strictly increasing, in (0, 1]. Strict
+# numbers, so `true` is refused rather than read as level 1.0.
+Levels = Annotated[list[StrictFloat], Field(min_length=1), AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
 Corpora = Annotated[list[str], Field(min_length=1)]  # "name" or "name:split" (pipeline.calibration)

@@ -85,6 +85,20 @@ def test_invalid_specs_are_422_problems_naming_every_field(api, client, acme):
     assert _count_builds(api) == 0
 
 
+@pytest.mark.parametrize(("levels", "message"), [
+    ([0.1234561, 0.1234562, 1.0], "are both level 0.123456"),
+    ([True], "valid number"),
+    ([1e-9, 1.0], "rounds to 0.0"),
+])
+def test_levels_without_a_name_of_their_own_are_422_naming_the_field_at_once(api, client, acme, levels, message):
+    started = time.monotonic()
+    response = client.post("/v1/builds", json=spec(levels=levels), headers=acme)
+    assert response.status_code == 422, response.text
+    assert [(e["field"].split(".")[:2], message in e["message"]) for e in response.json()["errors"]] == [
+        (["body", "levels"], True)]
+    assert time.monotonic() - started < 5 and _count_builds(api) == 0
+
+
 def test_list_filters_and_pages_through_every_build_once(api, client, acme):
     ids = [client.post("/v1/builds", json=spec(name=f"pkg-{i % 2}", version=str(i)), headers=acme).json()["id"]
            for i in range(7)]

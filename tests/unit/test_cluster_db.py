@@ -148,3 +148,28 @@ def test_publish_is_immutable_idempotent_and_moves_aliases(sessions, tmp_path):
         assert set(packages) == {"1.0", "2.0"}
         assert session.get(Alias, ("pkg", "latest")).package_id == packages["2.0"].id
     assert store.get_bytes(alias_key("pkg", "latest")) == b"2.0"
+
+
+def test_a_submission_that_breaks_a_constraint_fails_once_and_writes_nothing(sessions, monkeypatch):
+    import cluster.service
+    from cluster.dag import plan
+    from cluster.registry import Registry
+    from cluster.service import SubmissionFailed, submit
+    from cluster.spec import parse_spec
+    from workers.testing import tiny_stage
+
+    registry = Registry([tiny_stage("only")])
+    spec = parse_spec({"source": {"model": "/m"}, "publish": {"name": "pkg", "version": "1"}})
+    node = plan(spec, registry)[0]
+    calls = []
+
+    def two_rows_with_one_key(spec, registry):  # what duplicate level names once produced
+        calls.append(1)
+        return [node, node]
+
+    monkeypatch.setattr(cluster.service, "plan", two_rows_with_one_key)
+    with pytest.raises(SubmissionFailed, match="build could not be stored"):
+        submit(sessions, spec, registry, tenant="t1", idempotency_key="k1")
+    assert calls == [1]  # not retried
+    with sessions() as session:
+        assert session.scalar(select(Build.id)) is None and session.scalar(select(Stage.id)) is None

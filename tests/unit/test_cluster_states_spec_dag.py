@@ -212,3 +212,14 @@ def test_planning_the_default_spec_imports_no_torch_and_no_algorithm_module():
     pipeline = {m for m in report["modules"] if m.startswith("pipeline.")}
     assert pipeline == {"pipeline.chain", "pipeline.contract", "pipeline.settings", "pipeline.stage"}
     assert not {m for m in report["modules"] if m.split(".")[0] in ("torch", "transformers", "safetensors")}
+
+
+def test_a_fan_out_whose_shards_share_a_key_is_a_spec_error_naming_the_stage():
+    registry = Registry([
+        tiny_stage("prep"),
+        tiny_stage("per_level", inputs={"x": "prep.out"},
+                   fan_out=lambda spec, settings: [Shard("same", {"level": m}) for m in spec.levels]),
+    ])
+    with pytest.raises(SpecError) as caught:
+        plan(parse_spec({**BASE, "levels": [0.5, 1.0]}), registry)
+    assert caught.value.problems == [("stages.per_level", "fans out to several shards with one key: ['per_level[same]']")]
