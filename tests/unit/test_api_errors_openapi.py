@@ -214,6 +214,21 @@ def test_submit_checks_every_stage_setting_and_names_every_bad_field_before_writ
     assert elastify.settings["name"] == "test" and elastify.settings["anchor_fraction"] == 0.2
 
 
+@pytest.mark.parametrize(("stage", "setting", "value"), [
+    ("elastify", "align", 0), ("elastify", "align", "x"), ("profile", "windows", -1), ("profile", "layer_method", "zzz"),
+])
+def test_each_bad_setting_value_of_the_probe_is_a_422_naming_it_and_writes_nothing(api, stage, setting, value):
+    from cluster.models import Build
+
+    client = TestClient(create_app(api.settings))  # the default registry: pipeline.chain's stages
+    response = client.post("/v1/builds", json=spec(levels=[0.5, 1.0], stages={stage: {"settings": {setting: value}}}),
+                           headers=api.token("acme"))
+    body = _is_problem(response, 422)
+    assert [e["field"] for e in body["errors"]] == [f"body.stages.{stage}.settings.{setting}"]
+    with api.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Build)) == 0
+
+
 def test_openapi_shows_every_stages_settings_schema(api):
     from api.app import default_registry
 
