@@ -1,4 +1,4 @@
-"""Content digests of external inputs (the source model), for stage cache keys.
+"""Content digests of external inputs (the source model, files named in settings), for stage cache keys.
 
 A directory's digest covers every file's relative path and sha256. Hashing a model takes a
 second or two, so results are remembered per process by (path, size, mtime) of each file.
@@ -34,6 +34,14 @@ def _file_digest(path: Path) -> str:
     if key not in _memo:
         _memo[key] = sha256_file(path)
     return _memo[key]
+
+
+def named_files_fingerprint(paths: list[str]) -> dict[str, str]:
+    """Content digest per path a stage's settings name (StageSettings.named_paths), for its cache key.
+
+    Names that are not paths here (`ptb:train`, `lambada`) are left out: the settings carry them already.
+    """
+    return {path: path_fingerprint(path) for path in sorted(set(paths)) if Path(path).expanduser().exists()}
 
 
 def path_fingerprint(path: str) -> str:

@@ -29,7 +29,7 @@ from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import aliased
 
 from cluster.db import is_sqlite, make_engine, session_factory
-from cluster.fingerprint import path_fingerprint, pipeline_version
+from cluster.fingerprint import named_files_fingerprint, path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
 from cluster.packages import register_package
 from cluster.registry import Registry
@@ -279,9 +279,11 @@ class Scheduler:
             for name, value in runtime.items()
             if self.runtime[name].affects_output
         }
+        named = registration.settings.model_validate(stage.settings).named_paths()
         material = {
             "stage": registration.name, "stage_version": registration.version, "pipeline": PIPELINE_VERSION,
             "settings": stage.settings, "inputs": digests, "runtime": hashed_runtime,
+            "files": named_files_fingerprint(named),  # what a calibration file etc. holds, not only its name
         }
         return hashlib.sha256(canonical_json(material)).hexdigest()
 

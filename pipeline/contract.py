@@ -29,10 +29,28 @@ from pydantic import BaseModel, ConfigDict
 SOURCE_PREFIX = "source."  # an input read from the spec's `source` (e.g. "source.model"), not from a stage
 
 
+class NamesFiles:
+    """Marks a setting (`Annotated[..., NAMES_FILES]`) whose value, or each entry of it, may be a path the
+    stage reads (a corpus file, a model directory). The content of what it names joins the stage's
+    cache key, so rewriting the file is a cache miss, not a hit with the old output."""
+
+
+NAMES_FILES = NamesFiles()
+
+
 class StageSettings(BaseModel):
     """Base of every stage's Settings: an unknown setting is an error, never silently ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+    def named_paths(self) -> list[str]:
+        """The values of the settings marked NAMES_FILES, lists flattened; some may be corpus names, not paths."""
+        paths: list[str] = []
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value is not None and any(isinstance(meta, NamesFiles) for meta in info.metadata):
+                paths += [value] if isinstance(value, str) else list(value)
+        return paths
 
 
 @dataclass(frozen=True)

