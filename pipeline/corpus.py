@@ -501,9 +501,3 @@ def run_merge(inputs: dict[str, Path], settings, ctx) -> dict[str, Path]:
     check_disjoint(out)
     ctx.logger.info("corpus: generation speed %s", generation_speed(shard_dirs))
     return {"corpus": out}
-
-
-def summary(corpus_dir: Path) -> dict:
-    """The corpus manifest (sources, counts, generation speed)."""
-    return json.loads((Path(corpus_dir) / MANIFEST_FILE).read_text())
-
