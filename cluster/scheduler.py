@@ -28,6 +28,7 @@ import ray
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import aliased
 
+from cluster.capacity import current_capacity
 from cluster.db import is_sqlite, make_engine, session_factory
 from cluster.fingerprint import named_files_fingerprint, path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
@@ -44,6 +45,10 @@ from workers.store import ArtifactRef, StoreError
 log = logging.getLogger("elastify.scheduler")
 PIPELINE_VERSION = pipeline_version()
 EVENT_DRAIN_SECONDS = 0.25
+
+
+class Unschedulable(RuntimeError):
+    """A stage asks for more than any node of the cluster offers (permanent: not retried)."""
 
 
 class SchedulerLockError(RuntimeError):
@@ -287,6 +292,12 @@ class Scheduler:
         }
         return hashlib.sha256(canonical_json(material)).hexdigest()
 
+    def _unschedulable(self, resources: dict) -> list[tuple[str, str]]:
+        """The requests no node can ever grant: Ray would keep such a task pending for good, the
+        stage "running" and its build holding the tenant's concurrency quota."""
+        capacity = current_capacity(self.settings.max_task_resources)
+        return capacity.problems(resources) if capacity is not None else []
+
     def _cached_outputs(self, session, stage: Stage, registration: contract.Stage) -> dict[str, ArtifactRef] | None:
         donors = session.scalars(
             select(Stage.id).where(Stage.cache_key == stage.cache_key, Stage.status == Status.SUCCEEDED.value,
@@ -316,6 +327,8 @@ class Scheduler:
                     cached = self._cached_outputs(session, stage, registration) if stage.cache_key else None
                 else:
                     cached = None
+                if cached is None and (unfit := self._unschedulable(stage.resources)):
+                    raise Unschedulable("; ".join(f"{name}: {message}" for name, message in unfit))
             except Exception as err:  # a missing signing key is permanent; a store that is down is not
                 stage.attempts += 1  # a failed dispatch spends an attempt, so retries stay bounded
                 self._after_failure(session, stage, f"{type(err).__name__}: {err}", isinstance(err, StoreError), False)

@@ -20,11 +20,12 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from cluster.capacity import Capacity
 from cluster.dag import ExternalPath, plan
 from cluster.models import Alias, Artifact, Attempt, Build, Event, Package, Stage, StageInput, Tenant, utcnow
 from cluster.packages import alias_key, name_owner
 from cluster.registry import Registry
-from cluster.spec import BuildSpec
+from cluster.spec import BuildSpec, SpecError
 from cluster.states import REOPENABLE, TERMINAL, Status, advance, reopen
 
 ACTIVE = (Status.QUEUED.value, Status.RUNNING.value)
@@ -142,14 +143,17 @@ def submit(
     tenant: str = "default",
     idempotency_key: str | None = None,
     enforce_quotas: bool = True,
+    capacity: Capacity | None = None,
 ) -> Submission:
     """Validate the spec, check idempotency and quotas, then write the build and its queued stages.
 
     The same idempotency key with the same spec returns the first build (created=False); with a
     different spec it raises IdempotencyConflict. A quota that refuses raises QuotaExceeded and
-    writes nothing.
+    writes nothing. With a `capacity`, a stage asking more than one task can ever get is a SpecError.
     """
     planned = plan(spec, registry)  # raises SpecError before anything is written
+    if capacity is not None:
+        _check_capacity(planned, capacity)
     spec_hash = spec.content_hash()
     try:
         with sessions.begin() as session:
@@ -170,6 +174,16 @@ def submit(
                 if replay := _replay(session, tenant, idempotency_key, spec_hash):
                     return replay
         raise SubmissionFailed(f"build could not be stored: {err.orig}") from err
+
+
+def _check_capacity(planned, capacity: Capacity) -> None:
+    """SpecError naming `stages.<stage>.resources.<resource>` for each request no node can grant."""
+    problems = {}
+    for node in planned:
+        for resource, message in capacity.problems(node.resources):
+            problems.setdefault(f"stages.{node.type}.resources.{resource}", message)
+    if problems:
+        raise SpecError(list(problems.items()))
 
 
 def _insert_build(session: Session, spec: BuildSpec, spec_hash: str, planned, tenant: str,

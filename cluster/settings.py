@@ -7,6 +7,8 @@
     ELASTIFY_STORE_ENDPOINT  S3 endpoint URL (SeaweedFS, MinIO, …); credentials from AWS_ACCESS_KEY_ID/…
     ELASTIFY_SIGNING_KEY     PEM file of the Ed25519 key that signs manifests
                              (default $ELASTIFY_HOME/signing_key.pem, generated on first embedded start)
+    ELASTIFY_MAX_TASK_RESOURCES  the most one stage task may ask for, e.g. `num_cpus=16,num_gpus=1`
+                             (default: what the largest live Ray node offers, when this process joined Ray)
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.capacity import parse_capacity
 from workers.store import StoreConfig
 
 
@@ -42,12 +45,17 @@ class Settings:
     poll_seconds: float = 0.05
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 120.0
+    max_task_resources: str = ""  # cluster.capacity.parse_capacity; empty: the live Ray nodes decide
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
         self.database_url = self.database_url or f"sqlite:///{self.home / 'elastify.db'}"
         self.store_url = self.store_url or str(self.home / "store")
         self.signing_key_path = Path(self.signing_key_path or self.home / "signing_key.pem")
+        try:
+            parse_capacity(self.max_task_resources)
+        except ValueError as err:
+            raise SettingsError(str(err)) from None
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -61,6 +69,7 @@ class Settings:
             store_access_key=env("AWS_ACCESS_KEY_ID") or None,
             store_secret_key=env("AWS_SECRET_ACCESS_KEY") or None,
             signing_key_path=env("ELASTIFY_SIGNING_KEY") or None,
+            max_task_resources=env("ELASTIFY_MAX_TASK_RESOURCES", ""),
         )
         return cls(**{**values, **overrides})
 

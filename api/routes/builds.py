@@ -19,6 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from api.problems import ProblemError, not_found
 from api.routes import CallerDep, problems, sessions
 from api.schemas import BuildOut, BuildPage, BuildStatus, LogEvent
+from cluster.capacity import current_capacity
 from cluster.models import Build
 from cluster.service import build_events, cancel_build, describe_build, list_builds, retry_build, submit
 from cluster.spec import BuildSpec
@@ -62,7 +63,9 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
     ) -> dict:
         """Queue a build. With `Idempotency-Key`, the same key and spec return the first build (200) and the
         same key with another spec is a 409. A quota that refuses answers 429 and queues nothing."""
-        submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key)
+        capacity = current_capacity(request.app.state.settings.max_task_resources)
+        submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key,
+                            capacity=capacity)
         if not submission.created:
             response.status_code = 200
         response.headers["Location"] = f"/v1/builds/{submission.build_id}"
