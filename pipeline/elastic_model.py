@@ -79,14 +79,15 @@ class ElasticCausalLM(nn.Module):
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_package(cls, package_dir: Path, manifest: Manifest | None = None) -> ElasticCausalLM:
-        """Build an HF skeleton on the meta device and fill it with the package's tensors."""
+    def from_package(cls, package_dir: Path, manifest: Manifest | None = None,
+                     device: str | torch.device = "cpu") -> ElasticCausalLM:
+        """Build an HF skeleton on the meta device and fill it with the package's tensors (loaded onto `device`)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         package_dir = Path(package_dir)
         manifest = manifest or read_manifest(package_dir)
         config = AutoConfig.from_pretrained(str(package_dir / "model"))
-        tensors = load_file(str(package_dir / WEIGHTS))
+        tensors = load_file(str(package_dir / WEIGHTS), device=str(device))
         dtype = next(iter(tensors.values())).dtype
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -95,7 +96,7 @@ class ElasticCausalLM(nn.Module):
         if manifest.architecture.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         # Rotary frequencies are buffers computed at init, so rebuild them off the meta device.
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config).to(device)
         model.eval()
         elastic = cls(model, manifest.architecture, manifest.elastic, tensors)
         _check_materialised(elastic)

@@ -6,9 +6,16 @@ view), so peft wraps ordinary linears and no weight is copied. Because the kept 
 already the storage prefix, the LoRA is born in the package layout: A [r, in_active],
 B [out_active, r], exactly what `adapters/recovery/<level>.safetensors` holds.
 
-Data is an LM corpus (plain next-token loss) or instruction data in alpaca
-(`instruction`/`input`/`output`) or chat (`messages`) JSONL, with loss on responses only.
-The torch loop is the default; `backend: deepspeed` runs the same step under ZeRO.
+The loss is by default distillation: the teacher is the same weights at level 1.0 (the views
+re-pointed at the whole storage, the LoRA bypassed), under no_grad; the student is the level
+with its LoRA; KL(teacher || student) at a temperature, optionally over the teacher's top-k,
+plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
+the LoRA starts from the next larger level's, cut to this level's prefix.
+
+Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.corpus) or
+instruction data in alpaca (`instruction`/`input`/`output`) or chat (`messages`) JSONL, with
+loss on responses only. The torch loop is the default; `backend: deepspeed` runs the same step
+under ZeRO. On CUDA the same code runs under bf16 autocast.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +36,9 @@ from torch import nn
 
 from device_sdk.elastic import ElasticLinear
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
-from pipeline.calibration import make_windows
+from device_sdk.lora import canonical_key, lora_scale, read_adapter
+from device_sdk.lora import tensor_names as lora_tensor_names
+from pipeline.calibration import make_windows, text_windows
 from pipeline.contract import StageSettings
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
 from pipeline.settings import RecoverSettings
@@ -48,14 +60,58 @@ class RecoverError(ValueError):
 # --------------------------------------------------------------------------- the sub-model
 
 
-def linear_view(module: ElasticLinear) -> nn.Linear:
-    """An `nn.Linear` over the active prefix of an ElasticLinear's storage: a view, never a copy."""
+def point_at_active(linear: nn.Linear, module: ElasticLinear) -> nn.Linear:
+    """Make `linear` compute over `module`'s active prefix at its current width: a view, never a copy."""
     weight = module.active_weight if module.unit_axis == "out" else module.active_weight.t()
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
     if module.active_bias is not None:
         linear.bias = nn.Parameter(module.active_bias, requires_grad=False)
     return linear
+
+
+def linear_view(module: ElasticLinear) -> nn.Linear:
+    """An `nn.Linear` over the active prefix of an ElasticLinear's storage: a view, never a copy."""
+    return point_at_active(nn.Linear(module.in_features, module.out_features, bias=False, device="meta"), module)
+
+
+class LevelViews:
+    """The sub-model's plain-linear views, each tied to the ElasticLinear it views.
+
+    `use(level)` moves the model's cursor and re-points every view at that level's prefix of the
+    same storage, so the teacher (level 1.0) and the student (level m) are one set of weights.
+    peft wraps these very `nn.Linear` objects as its base layers, so re-pointing reaches them too.
+    """
+
+    def __init__(self, model: ElasticCausalLM, level: str) -> None:
+        self.model = model
+        self.hf = model.hf
+        self.pairs: list[tuple[ElasticLinear, nn.Linear]] = []
+        model.set_level(level)
+        self.level = model.level
+        for layer in model.hf.model.layers:
+            for parent, names in ((layer.self_attn.inner, ATTN_PROJ), (layer.mlp, MLP_PROJ)):
+                for proj in names:
+                    source = getattr(parent, proj)
+                    view = linear_view(source)
+                    setattr(parent, proj, view)
+                    self.pairs.append((source, view))
+        for param in model.hf.parameters():
+            param.requires_grad_(False)
+
+    def use(self, level: str) -> None:
+        self.model.set_level(level)
+        for source, view in self.pairs:
+            point_at_active(view, source)
+
+    @contextmanager
+    def at(self, level: str) -> Iterator[None]:
+        """Run at `level` inside the block, then return to the student's level."""
+        self.use(level)
+        try:
+            yield
+        finally:
+            self.use(self.level)
 
 
 def level_submodel(model: ElasticCausalLM, level: str) -> nn.Module:
@@ -63,16 +119,7 @@ def level_submodel(model: ElasticCausalLM, level: str) -> nn.Module:
 
     Consumes `model`: its layers now hold fixed-width views (the storage is still shared).
     """
-    model.set_level(level)
-    for layer in model.hf.model.layers:
-        attn = layer.self_attn.inner
-        for proj in ATTN_PROJ:
-            setattr(attn, proj, linear_view(getattr(attn, proj)))
-        for proj in MLP_PROJ:
-            setattr(layer.mlp, proj, linear_view(getattr(layer.mlp, proj)))
-    for param in model.hf.parameters():
-        param.requires_grad_(False)
-    return model.hf
+    return LevelViews(model, level).hf
 
 
 def lora_target_names(hf: nn.Module, targets: list[str]) -> list[str]:
@@ -166,34 +213,161 @@ def corpus_batches(tokenizer, settings: RecoverSettings) -> list[tuple[torch.Ten
     return [(w, w) for w in windows.split(settings.batch_size)]
 
 
+def text_batches(tokenizer, texts: list[str], settings: RecoverSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches of seeded windows over given texts (a recovery corpus directory's), like `corpus_batches`."""
+    windows = text_windows(tokenizer, texts, settings.steps * settings.batch_size, settings.seq_len, settings.seed)
+    return [(w, w) for w in windows.split(settings.batch_size)]
+
+
 # --------------------------------------------------------------------------- loss and training
+
+# Log of "no probability": keeps exp() at exactly 0 where a bucket is empty, without inf - inf = nan.
+LOG_FLOOR = -1e4
+
+
+def training_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (the same code path); on CPU the weights' own dtype."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+def labelled_hidden(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states [n, hidden] at the positions whose next token is labelled, and those tokens [n]."""
+    hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1]
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    targets = labels[:, 1:].reshape(-1)
+    keep = targets != IGNORE
+    return hidden[keep], targets[keep]
 
 
 def lm_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token NLL over labelled positions; logits in chunks (see pipeline.lm)."""
     from pipeline.lm import LOGIT_CHUNK
 
-    hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1]
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    targets = labels[:, 1:].reshape(-1)
-    keep = targets != IGNORE
-    hidden, targets = hidden[keep], targets[keep]
-    total = hidden.new_zeros(())
+    hidden, targets = labelled_hidden(hf, input_ids, labels)
+    total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), LOGIT_CHUNK):
         logits = hf.lm_head(hidden[start : start + LOGIT_CHUNK]).float()
         total = total + F.cross_entropy(logits, targets[start : start + LOGIT_CHUNK], reduction="sum")
     return total / max(targets.numel(), 1)
 
 
+@dataclass
+class TeacherTargets:
+    """The full model's next-token log-probabilities at temperature T on one batch's labelled positions.
+
+    Either the full vocabulary ([n, vocab]) or, with top-k, [n, k + 1] buckets: the teacher's k
+    most likely tokens (`indices` [n, k]) and, last, all other tokens together. The bucketed KL is
+    the exact KL between the two distributions coarsened to those k + 1 events, so it is zero when
+    student equals teacher and still pushes the student's mass off the teacher's unlikely tokens.
+    """
+
+    logprobs: torch.Tensor
+    indices: torch.Tensor | None = None
+
+
+def bucket_logprobs(logprobs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] log-probs -> [n, k + 1]: those of `indices`, then the log of the remaining mass."""
+    top = logprobs.gather(-1, indices)
+    rest = torch.logsumexp(logprobs.scatter(-1, indices, float("-inf")), dim=-1, keepdim=True)
+    return torch.cat([top, rest.clamp_min(LOG_FLOOR)], dim=-1)
+
+
+@contextmanager
+def teacher_mode(views: LevelViews, full: str, peft_model=None) -> Iterator[None]:
+    """The full model: the same storage re-viewed at `full`, the LoRA bypassed (peft's disable_adapter)."""
+    with (peft_model.disable_adapter() if peft_model is not None else nullcontext()), views.at(full):
+        yield
+
+
+@torch.no_grad()
+def teacher_targets(views: LevelViews, full: str, peft_model, input_ids: torch.Tensor, labels: torch.Tensor,
+                    temperature: float, top_k: int) -> TeacherTargets:
+    from pipeline.lm import LOGIT_CHUNK
+
+    with teacher_mode(views, full, peft_model):
+        hidden, _ = labelled_hidden(views.hf, input_ids, labels)
+        parts, index_parts = [], []
+        for start in range(0, hidden.shape[0], LOGIT_CHUNK):
+            logits = views.hf.lm_head(hidden[start : start + LOGIT_CHUNK]).float()
+            logprobs = F.log_softmax(logits / temperature, dim=-1)
+            if 0 < top_k < logprobs.shape[-1]:
+                indices = logprobs.topk(top_k, dim=-1).indices
+                logprobs = bucket_logprobs(logprobs, indices)
+                index_parts.append(indices)
+            parts.append(logprobs)
+    return TeacherTargets(torch.cat(parts), torch.cat(index_parts) if index_parts else None)
+
+
+def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, teacher: TeacherTargets,
+                 temperature: float, lm_weight: float = 0.0) -> torch.Tensor:
+    """Mean over labelled positions of T²·KL(teacher || student) at temperature T, plus lm_weight·NLL."""
+    from pipeline.lm import LOGIT_CHUNK
+
+    hidden, targets = labelled_hidden(hf, input_ids, labels)
+    if hidden.shape[0] != teacher.logprobs.shape[0]:
+        raise RecoverError("the teacher's targets belong to another batch")
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), LOGIT_CHUNK):
+        part = slice(start, start + LOGIT_CHUNK)
+        logits = hf.lm_head(hidden[part]).float()
+        student = F.log_softmax(logits / temperature, dim=-1)
+        if teacher.indices is not None:
+            student = bucket_logprobs(student, teacher.indices[part])
+        kl = F.kl_div(student, teacher.logprobs[part], log_target=True, reduction="sum")
+        total = total + kl * temperature**2
+        if lm_weight:
+            total = total + lm_weight * F.cross_entropy(logits, targets[part], reduction="sum")
+    return total / max(targets.numel(), 1)
+
+
+def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_model) -> Callable:
+    """The training loss of (input ids, labels): the LM loss, or distillation from the full model."""
+    if settings.loss == "lm":
+        return lambda ids, labels: lm_loss(views.hf, ids, labels)
+
+    def distill(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
+        return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight)
+
+    return distill
+
+
+def _model_device(hf: nn.Module) -> torch.device:
+    return next(hf.parameters()).device
+
+
 @torch.no_grad()
 def eval_loss(hf: nn.Module, windows: torch.Tensor, batch_size: int) -> float:
     was_training = hf.training
     hf.eval()
+    device = _model_device(hf)
     total, count = 0.0, 0
     for batch in windows.split(batch_size):
-        total += lm_loss(hf, batch, batch).item() * batch[:, 1:].numel()
+        with autocast(device):
+            total += lm_loss(hf, batch.to(device), batch.to(device)).item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
     hf.train(was_training)
+    return total / count
+
+
+@torch.no_grad()
+def eval_kl(views: LevelViews, full: str, peft_model, windows: torch.Tensor, batch_size: int) -> float:
+    """Mean KL(full model || this level) per next-token position, temperature 1, full vocabulary."""
+    was_training = views.hf.training
+    views.hf.eval()
+    device = _model_device(views.hf)
+    total, count = 0.0, 0
+    for batch in windows.split(batch_size):
+        batch = batch.to(device)
+        with autocast(device):
+            teacher = teacher_targets(views, full, peft_model, batch, batch, 1.0, 0)
+            total += distill_loss(views.hf, batch, batch, teacher, 1.0).item() * batch[:, 1:].numel()
+        count += batch[:, 1:].numel()
+    views.hf.train(was_training)
     return total / count
 
 
@@ -207,14 +381,19 @@ def _schedule(settings: RecoverSettings):
     return factor
 
 
-def train_torch(peft_model, hf, batches, settings: RecoverSettings, ctx: StageContext) -> list[float]:
+def train_torch(peft_model, hf, batches, settings: RecoverSettings, ctx: StageContext,
+                loss_fn: Callable | None = None) -> list[float]:
+    """AdamW on the LoRA parameters; `loss_fn(ids, labels)` defaults to the LM loss (see make_loss)."""
+    loss_fn = loss_fn or (lambda ids, labels: lm_loss(hf, ids, labels))
+    device = _model_device(hf)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
     peft_model.train()
     losses = []
     for step, (ids, labels) in enumerate(batches, 1):
-        loss = lm_loss(hf, ids, labels)
+        with autocast(device):
+            loss = loss_fn(ids.to(device), labels.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -238,14 +417,17 @@ def init_deepspeed_single_process() -> None:
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 
 
-def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: StageContext) -> list[float]:
+def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: StageContext,
+                    loss_fn: Callable | None = None, views: LevelViews | None = None) -> list[float]:
     """The same step under DeepSpeed ZeRO, with a client torch optimizer (no fused-op build)."""
     import deepspeed
 
+    loss_fn = loss_fn or (lambda ids, labels: lm_loss(hf, ids, labels))
+    device = _model_device(hf)
     if not torch.distributed.is_initialized():
         init_deepspeed_single_process()
     # DeepSpeed broadcasts every parameter as a flat byte view, which needs a unit last stride:
-    # the transposed o/down views get a contiguous copy of this level's prefix (the rest stay views).
+    # the transposed o/down views get a contiguous copy of this level's prefix for initialize().
     for module in hf.modules():
         if isinstance(module, nn.Linear) and module.weight.dim() == 2 and module.weight.stride(-1) != 1:
             module.weight = nn.Parameter(module.weight.contiguous(), requires_grad=False)
@@ -262,10 +444,15 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
     }
     engine, _, _, _ = deepspeed.initialize(model=peft_model, optimizer=optimizer, lr_scheduler=scheduler,
                                            model_parameters=params, config=config)
+    if views is not None:
+        # ZeRO 0-2 keeps no handle on frozen weights after initialize(): back to the storage's views,
+        # which the teacher's level switches need anyway.
+        views.use(views.level)
     engine.train()
     losses = []
     for step, (ids, labels) in enumerate(batches, 1):
-        loss = lm_loss(hf, ids, labels)
+        with autocast(device):
+            loss = loss_fn(ids.to(device), labels.to(device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -277,18 +464,49 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
 # --------------------------------------------------------------------------- saving
 
 
-def unit_major_adapter(peft_model) -> dict[str, torch.Tensor]:
-    """peft's A/B per projection under the package's names: `model.layers.N.….q_proj.lora_A|lora_B`."""
-    tensors = {}
+def lora_layers(peft_model) -> Iterator[tuple[str, nn.Module]]:
+    """(projection key `model.layers.N.….q_proj`, peft LoRA layer) for every LoRA-wrapped projection."""
     for name, module in peft_model.named_modules():
-        if not hasattr(module, "lora_A") or "default" not in getattr(module, "lora_A", {}):
-            continue
-        base = name[name.index("model.layers."):].replace(".self_attn.inner.", ".self_attn.")
-        tensors[f"{base}.lora_A"] = module.lora_A["default"].weight.detach().contiguous().clone()
-        tensors[f"{base}.lora_B"] = module.lora_B["default"].weight.detach().contiguous().clone()
+        if hasattr(module, "lora_A") and "default" in getattr(module, "lora_A", {}):
+            yield canonical_key(name), module
+
+
+def unit_major_adapter(peft_model) -> dict[str, torch.Tensor]:
+    """peft's A/B per projection under the package's names (device_sdk.lora)."""
+    tensors = {}
+    for key, module in lora_layers(peft_model):
+        a_name, b_name = lora_tensor_names(key)
+        tensors[a_name] = module.lora_A["default"].weight.detach().contiguous().clone()
+        tensors[b_name] = module.lora_B["default"].weight.detach().contiguous().clone()
     if not tensors:
         raise RecoverError("the model carries no LoRA layers to save")
     return tensors
+
+
+def warm_start(peft_model, adapter: Path, settings: RecoverSettings) -> int:
+    """Start every LoRA pair from a larger level's unit-major adapter; returns the pairs set.
+
+    This level's active units are a prefix of the larger level's in unit-major storage, so
+    A[:, :in_active] and B[:out_active] are the larger LoRA restricted to the units kept here.
+    B is rescaled when the scales (alpha / rank) differ, so the starting update is the same.
+    """
+    source = read_adapter(Path(adapter))
+    target_scale = lora_scale(settings.rank, settings.alpha)
+    count = 0
+    for key, module in lora_layers(peft_model):
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        if key not in source:
+            raise RecoverError(f"{adapter} has no LoRA for {key}: not a larger level's adapter of this package")
+        a_source, b_source, source_scale = source[key]
+        if a_source.shape[0] != a.shape[0]:
+            raise RecoverError(f"{adapter} has rank {a_source.shape[0]}; this level trains rank {a.shape[0]}")
+        if a_source.shape[1] < a.shape[1] or b_source.shape[0] < b.shape[0]:
+            raise RecoverError(f"{adapter}'s {key} is narrower than this level's: warm start needs a larger level")
+        with torch.no_grad():
+            a.copy_(a_source[:, : a.shape[1]])
+            b.copy_(b_source[: b.shape[0]] * (source_scale / target_scale))
+        count += 1
+    return count
 
 
 def save_adapter(tensors: dict[str, torch.Tensor], path: Path, settings: RecoverSettings) -> None:
@@ -300,8 +518,13 @@ def save_adapter(tensors: dict[str, torch.Tensor], path: Path, settings: Recover
     os.replace(tmp, path)
 
 
-def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, ctx: StageContext) -> dict:
-    """Train the level's LoRA; write peft format and the unit-major adapter; return metrics."""
+def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, ctx: StageContext,
+                  init_adapter: Path | None = None, corpus_dir: Path | None = None) -> dict:
+    """Train the level's LoRA; write peft format and the unit-major adapter; return metrics.
+
+    `init_adapter`: a larger level's adapter to warm-start from; `corpus_dir`: a recovery corpus
+    (pipeline.corpus) to train on instead of the named `corpus` sources.
+    """
     from transformers import AutoTokenizer
 
     if settings.level is None:
@@ -310,16 +533,30 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
     if settings.instructions:
         batches = instruction_batches(tokenizer, Path(settings.instructions), settings)
+    elif corpus_dir is not None:
+        from pipeline.corpus import load_recovery_texts
+
+        batches = text_batches(tokenizer, load_recovery_texts(Path(corpus_dir)), settings)
     else:
         batches = corpus_batches(tokenizer, settings)
     eval_windows = make_windows(tokenizer, settings.eval_corpus, settings.eval_windows, settings.seq_len,
                                 settings.seed + 1)
-    hf = level_submodel(ElasticCausalLM.from_package(package_dir), settings.level)
+    model = ElasticCausalLM.from_package(package_dir, device=training_device())
+    full = max(model.elastic.levels, key=lambda level: level.ratio).name  # the teacher
+    views = LevelViews(model, settings.level)
+    hf = views.hf
     before = eval_loss(hf, eval_windows, settings.batch_size)
+    kl_before = eval_kl(views, full, None, eval_windows, settings.batch_size)
     peft_model = add_lora(hf, settings)
-    trainer = train_deepspeed if settings.backend == "deepspeed" else train_torch
-    losses = trainer(peft_model, hf, batches, settings, ctx)
+    if init_adapter is not None:
+        warm_start(peft_model, Path(init_adapter), settings)
+    loss_fn = make_loss(settings, views, full, peft_model)
+    if settings.backend == "deepspeed":
+        losses = train_deepspeed(peft_model, hf, batches, settings, ctx, loss_fn, views)
+    else:
+        losses = train_torch(peft_model, hf, batches, settings, ctx, loss_fn)
     after = eval_loss(hf, eval_windows, settings.batch_size)
+    kl_after = eval_kl(views, full, peft_model, eval_windows, settings.batch_size)
 
     peft_dir = out_dir / "peft"
     staging = out_dir / ".peft.tmp"
@@ -330,11 +567,16 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     save_adapter(unit_major_adapter(peft_model), out_dir / f"{settings.level}.safetensors", settings)
     return {
         "level": settings.level,
+        "teacher_level": full,
         "eval_loss_before": before,
         "eval_loss_after": after,
+        "eval_kl_before": kl_before,
+        "eval_kl_after": kl_after,
         "train_loss_first": losses[0],
         "train_loss_last": losses[-1],
         "steps": len(losses),
+        "train_tokens": sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in batches),
+        "warm_start_from": str(init_adapter) if init_adapter is not None else None,
         "settings": settings.model_dump(mode="json"),
     }
 
@@ -429,14 +671,25 @@ def install_adapters(package_dir: Path, adapters: dict[str, Path]) -> None:
 
 
 def run(inputs: dict[str, Path], options: RecoverSettings, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"package": dir} -> {"adapter": <level>.safetensors, "peft": dir, "metrics": json}."""
+    """Stage entry: inputs {"package": dir} -> {"adapter": <level>.safetensors, "peft": dir, "metrics": json}.
+
+    Optional inputs: "init_adapter", the next larger level's adapter (with `warm_start`; the
+    largest recovered level has none and starts cold), and "corpus", a recovery corpus directory.
+    """
+    init_adapter = inputs.get("init_adapter")
+    if init_adapter is not None and not options.warm_start:
+        raise RecoverError("an init_adapter input is only used with warm_start: true")
     out = ctx.work_dir
     out.mkdir(parents=True, exist_ok=True)
-    metrics = recover_level(Path(inputs["package"]), options, out, ctx)
+    corpus = inputs.get("corpus")
+    metrics = recover_level(Path(inputs["package"]), options, out, ctx,
+                            init_adapter=Path(init_adapter) if init_adapter is not None else None,
+                            corpus_dir=Path(corpus) if corpus is not None else None)
     metrics_path = out / "recover.json"
     atomic_write_bytes(metrics_path, json.dumps(metrics, indent=2).encode())
-    ctx.logger.info("recover %s: eval loss %.4f -> %.4f", options.level, metrics["eval_loss_before"],
-                    metrics["eval_loss_after"])
+    ctx.logger.info("recover %s (%s): eval loss %.4f -> %.4f, KL to level %s %.4f -> %.4f", options.level,
+                    options.loss, metrics["eval_loss_before"], metrics["eval_loss_after"], metrics["teacher_level"],
+                    metrics["eval_kl_before"], metrics["eval_kl_after"])
     return {"adapter": out / f"{options.level}.safetensors", "peft": out / "peft", "metrics": metrics_path}
 
 

@@ -42,6 +42,8 @@ def test_recover_deepspeed_zero2_trains_on_cpu(tmp_path, calib_text):
     assert group == {"world": 1, "backend": "gloo"}
     metrics = json.loads((tmp_path / "out" / "recover.json").read_text())
     assert metrics["settings"]["backend"] == "deepspeed" and metrics["steps"] == 4
+    # the default loss distils from level 1.0: the teacher's level switches run inside the ZeRO engine
+    assert metrics["settings"]["loss"] == "distill" and metrics["teacher_level"] == "1.0"
     assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
     adapter = load_file(str(tmp_path / "out" / "0.5.safetensors"))
     # peft starts B at zero: a non-zero B means the ZeRO optimizer stepped the LoRA weights

@@ -1,0 +1,225 @@
+"""Recovery by distillation from the same weights at level 1.0, and warm start from a larger level's LoRA."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file
+
+from pipeline.elastic_model import ElasticCausalLM
+from pipeline.recover import (
+    LevelViews,
+    RecoverError,
+    add_lora,
+    distill_loss,
+    lm_loss,
+    make_loss,
+    run,
+    teacher_mode,
+    teacher_targets,
+    train_torch,
+    warm_start,
+)
+from pipeline.settings import RecoverSettings
+from pipeline.stage import quiet_context
+from tests.tiny import byte_tokenizer, tiny_model
+
+LEVELS = [0.5, 0.7, 1.0]
+FAST = {"steps": 4, "batch_size": 2, "seq_len": 32, "eval_windows": 4, "lr": 1e-2, "warmup_steps": 1,
+        "rank": 4, "alpha": 8.0, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory) -> Path:
+    from tests.unit.sdk_packages import build_package, signing_key
+
+    return build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path_factory.mktemp("pkg") / "pkg",
+                         signing_key(), levels=LEVELS)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    import treebank
+
+    path = tmp_path_factory.mktemp("corpus") / "train.txt"
+    path.write_text(treebank.penn["valid"][:40000])
+    return path
+
+
+def _batches(count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids = torch.randint(0, 256, (count, 2, 24), generator=torch.Generator().manual_seed(seed))
+    return [(batch, batch) for batch in ids]
+
+
+def _run(inputs: dict, settings: dict, work: Path) -> dict[str, Path]:
+    return run(inputs, RecoverSettings(**settings), quiet_context(work))
+
+
+def _student(package: Path, level: str, **settings):
+    model = ElasticCausalLM.from_package(package)
+    views = LevelViews(model, level)
+    options = RecoverSettings(level=level, **{**FAST, **settings})
+    torch.manual_seed(0)
+    return views, add_lora(views.hf, options), options
+
+
+def _lora_params(peft_model) -> list[torch.nn.Parameter]:
+    return [p for n, p in peft_model.named_parameters() if "lora_" in n]
+
+
+def test_distillation_moves_only_the_lora(package):
+    views, peft_model, settings = _student(package, "0.5")
+    storages = {source.storage.data_ptr(): source.storage.clone() for source, _ in views.pairs}
+    base = {p.data_ptr(): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    train_torch(peft_model, views.hf, _batches(3), settings, quiet_context(),
+                make_loss(settings, views, "1.0", peft_model))
+
+    frozen = [p for n, p in peft_model.named_parameters() if "lora_" not in n]
+    assert {p.data_ptr() for p in frozen} == set(base)  # the same tensors, not replacements
+    for param in frozen:
+        assert param.grad is None and not param.requires_grad
+        assert torch.equal(param, base[param.data_ptr()])
+    for source, view in views.pairs:  # the student's views still point at the package storage
+        assert view.weight.data_ptr() == source.storage.data_ptr()
+        assert torch.equal(source.storage, storages[source.storage.data_ptr()])
+    assert any(torch.count_nonzero(p) for n, p in peft_model.named_parameters() if "lora_B" in n)
+
+
+def test_the_teacher_pass_copies_no_weights_and_is_the_bare_full_model(package):
+    views, peft_model, settings = _student(package, "0.5")
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)  # a LoRA that would change the output if it were not bypassed
+    student_shapes = [tuple(view.weight.shape) for _, view in views.pairs]
+    ids = _batches(1, seed=5)[0][0]
+    with teacher_mode(views, "1.0", peft_model), torch.no_grad():
+        for source, view in views.pairs:
+            assert view.weight.data_ptr() == source.storage.data_ptr()
+            full = source.storage if source.unit_axis == "out" else source.storage.t()
+            assert view.weight.shape == full.shape  # the whole storage: level 1.0
+        teacher_logits = views.hf(input_ids=ids).logits
+    assert [tuple(view.weight.shape) for _, view in views.pairs] == student_shapes  # back at level 0.5
+
+    reference = ElasticCausalLM.from_package(package)
+    reference.set_level("1.0")
+    with torch.no_grad():
+        assert torch.allclose(teacher_logits, reference(ids).logits, atol=1e-5)
+        # and the student (LoRA on) is a different model
+        assert not torch.allclose(views.hf(input_ids=ids).logits[..., :8], teacher_logits[..., :8], atol=1e-3)
+
+
+@pytest.mark.parametrize("top_k", [0, 16])
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_distill_loss_is_zero_for_the_teacher_itself_and_positive_below(package, top_k, temperature):
+    ids, labels = _batches(1, seed=3)[0]
+    for level, expect_zero in (("1.0", True), ("0.5", False)):
+        views, peft_model, _ = _student(package, level)  # peft starts B at zero: the LoRA adds nothing yet
+        with torch.no_grad():
+            teacher = teacher_targets(views, "1.0", peft_model, ids, labels, temperature, top_k)
+            loss = distill_loss(views.hf, ids, labels, teacher, temperature).item()
+        if top_k:
+            assert teacher.logprobs.shape == (ids[:, 1:].numel(), top_k + 1)
+            assert torch.allclose(teacher.logprobs.exp().sum(-1), torch.ones(ids[:, 1:].numel()), atol=1e-5)
+        if expect_zero:
+            assert abs(loss) < 1e-6, (level, loss)
+        else:
+            assert loss > 1e-4, (level, loss)
+
+
+def test_distill_loss_adds_the_weighted_lm_loss(package):
+    views, peft_model, _ = _student(package, "0.5")
+    ids, labels = _batches(1, seed=4)[0]
+    with torch.no_grad():
+        teacher = teacher_targets(views, "1.0", peft_model, ids, labels, 1.0, 0)
+        kl = distill_loss(views.hf, ids, labels, teacher, 1.0).item()
+        mixed = distill_loss(views.hf, ids, labels, teacher, 1.0, lm_weight=0.5).item()
+        assert mixed == pytest.approx(kl + 0.5 * lm_loss(views.hf, ids, labels).item(), rel=1e-5)
+
+
+# A random tiny model's levels differ little (held-out KL ~0.009 nats), so the margins are modest;
+# measured: 0.0090 -> 0.0060 (full vocabulary, T=1) and -> 0.0081 (top-8 buckets, T=2) in 40 steps.
+@pytest.mark.parametrize("top_k, temperature, factor", [(0, 1.0, 0.8), (8, 2.0, 0.97)])
+def test_distillation_lowers_the_held_out_kl_to_the_full_model(package, corpus, tmp_path, top_k, temperature, factor):
+    settings = {**FAST, "level": "0.5", "steps": 40, "lr": 3e-3, "top_k": top_k, "temperature": temperature,
+                "corpus": [str(corpus)], "eval_corpus": [str(corpus)]}
+    outputs = _run({"package": package}, settings, tmp_path)
+    metrics = json.loads(Path(outputs["metrics"]).read_text())
+    assert metrics["teacher_level"] == "1.0" and metrics["settings"]["loss"] == "distill"
+    assert metrics["eval_kl_after"] < factor * metrics["eval_kl_before"], metrics
+    assert metrics["train_tokens"] == 40 * 2 * 31
+
+
+def test_warm_start_takes_the_prefix_of_the_larger_levels_lora(package, corpus, tmp_path):
+    settings = {**FAST, "corpus": [str(corpus)], "eval_corpus": [str(corpus)]}
+    larger = _run({"package": package}, {**settings, "level": "0.7"}, tmp_path / "0.7")["adapter"]
+    source = load_file(str(larger))
+
+    views, peft_model, options = _student(package, "0.5")
+    assert warm_start(peft_model, larger, options) == len(source) // 2
+    shrunk = 0
+    for name, module in peft_model.named_modules():
+        if "default" not in getattr(module, "lora_A", {}):
+            continue
+        key = name[name.index("model.layers."):].replace(".self_attn.inner.", ".self_attn.")
+        a, b = module.lora_A["default"].weight, module.lora_B["default"].weight
+        assert torch.equal(a, source[f"{key}.lora_A"][:, : a.shape[1]])
+        assert torch.equal(b, source[f"{key}.lora_B"][: b.shape[0]])
+        shrunk += a.shape[1] < source[f"{key}.lora_A"].shape[1] or b.shape[0] < source[f"{key}.lora_B"].shape[0]
+    assert shrunk  # level 0.5 really is narrower somewhere, so the slices were taken
+
+    outputs = _run({"package": package, "init_adapter": larger}, {**settings, "level": "0.5", "warm_start": True},
+                   tmp_path / "0.5")
+    metrics = json.loads(Path(outputs["metrics"]).read_text())
+    assert metrics["warm_start_from"] == str(larger) and metrics["steps"] == FAST["steps"]
+    trained = load_file(str(outputs["adapter"]))
+    moved = [not torch.equal(t, source[k][: t.shape[0], : t.shape[1]]) for k, t in trained.items()]
+    assert any(moved)  # training went on from the slices
+
+
+def test_warm_start_refuses_a_smaller_level_and_a_stray_init_adapter(package, corpus, tmp_path):
+    settings = {**FAST, "corpus": [str(corpus)], "eval_corpus": [str(corpus)]}
+    smaller = _run({"package": package}, {**settings, "level": "0.5"}, tmp_path / "0.5")["adapter"]
+    views, peft_model, options = _student(package, "0.7")
+    with pytest.raises(RecoverError, match="narrower"):
+        warm_start(peft_model, smaller, options)
+    with pytest.raises(RecoverError, match="warm_start"):
+        _run({"package": package, "init_adapter": smaller}, {**settings, "level": "0.5"}, tmp_path)
+
+
+def test_lm_loss_is_still_an_option(package, corpus, tmp_path):
+    settings = {**FAST, "level": "0.5", "loss": "lm", "corpus": [str(corpus)], "eval_corpus": [str(corpus)]}
+    metrics = json.loads(Path(_run({"package": package}, settings, tmp_path)["metrics"]).read_text())
+    assert metrics["settings"]["loss"] == "lm"
+    assert metrics["eval_loss_after"] < metrics["eval_loss_before"]
+
+
+def test_recover_trains_on_a_recovery_corpus_directory(package, corpus, tmp_path):
+    from pipeline.corpus import RECOVERY_FILE
+
+    directory = tmp_path / "corpus"
+    directory.mkdir()
+    texts = [t for t in corpus.read_text().split("\n") if t.strip()]
+    (directory / RECOVERY_FILE).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    settings = {**FAST, "level": "0.5", "corpus": ["/no/such/named/corpus.txt"], "eval_corpus": [str(corpus)]}
+    metrics = json.loads(Path(_run({"package": package, "corpus": directory}, settings, tmp_path / "out")["metrics"])
+                         .read_text())
+    assert metrics["steps"] == FAST["steps"]  # trained on the directory's texts, not the named (missing) corpus
+
+
+def test_text_windows_match_the_named_corpus_windows(corpus):
+    from pipeline.calibration import make_windows, text_windows
+
+    tokenizer = byte_tokenizer()
+    assert torch.equal(text_windows(tokenizer, [corpus.read_text()], 8, 32, seed=3),
+                       make_windows(tokenizer, [str(corpus)], 8, 32, seed=3))
+
+
+@pytest.mark.parametrize("bad", [{"loss": "mse"}, {"temperature": 0.0}, {"top_k": -1}, {"lm_weight": -0.1}])
+def test_distillation_settings_are_checked(bad):
+    with pytest.raises(ValidationError, match=next(iter(bad))):
+        RecoverSettings(level="0.5", **bad)
