@@ -17,7 +17,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from api.problems import ProblemError, not_found
-from api.routes import CallerDep, problems, sessions
+from api.routes import CallerDep, JsonBody, problems, sessions
 from api.schemas import BuildOut, BuildPage, BuildStatus, LogEvent
 from cluster.capacity import current_capacity
 from cluster.models import Build
@@ -59,6 +59,7 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
         request: Request,
         response: Response,
         caller: CallerDep,
+        _json: Annotated[None, JsonBody],
         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")] = None,
     ) -> dict:
         """Queue a build. With `Idempotency-Key`, the same key and spec return the first build (200) and the
@@ -76,7 +77,7 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
     submit_routes.post(
         "", status_code=201, response_model=BuildOut,
         responses={200: {"model": BuildOut, "description": "a replay: the build first submitted with this Idempotency-Key"},
-                   **problems(409, 422, 429)},
+                   **problems(409, 415, 422, 429)},
         openapi_extra={"requestBody": {"content": {"application/json": {"example": SPEC_EXAMPLE}}}},
     )(submit_build)
     return submit_routes

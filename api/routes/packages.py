@@ -10,7 +10,7 @@ from fastapi.responses import FileResponse, RedirectResponse
 from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
 from api.problems import ProblemError, not_found
-from api.routes import CallerDep, problems, sessions, store
+from api.routes import CallerDep, JsonBody, problems, sessions, store
 from api.schemas import AliasIn, AliasOut, PackageList, PackageVersionList, PresignedUrl
 from cluster.packages import package_prefix
 from cluster.service import find_package, list_packages, move_alias, package_versions
@@ -138,8 +138,9 @@ def _check_range(header: str, size: int) -> None:
                            headers={"Content-Range": f"bytes */{size}"}) from None
 
 
-@router.put("/{name}/aliases/{alias}", response_model=AliasOut, responses=problems(404, 422))
-def set_alias(name: Name, alias: AliasName, body: AliasIn, request: Request, caller: CallerDep) -> dict:
+@router.put("/{name}/aliases/{alias}", response_model=AliasOut, responses=problems(404, 415, 422))
+def set_alias(name: Name, alias: AliasName, body: AliasIn, request: Request, caller: CallerDep,
+              _json: Annotated[None, JsonBody]) -> dict:
     """Point an alias (e.g. `latest`, `stable`) at one of the package's versions; aliases move, versions don't."""
     if alias == "aliases":
         raise ProblemError(422, "'aliases' is reserved", kind="invalid-request", errors=[("alias", "reserved")])

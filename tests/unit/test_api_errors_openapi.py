@@ -54,6 +54,23 @@ def test_request_bodies_over_the_limit_are_413(api, client):
     assert client.post("/v1/builds", json=spec(), headers=headers).status_code == 201
 
 
+def test_a_body_that_is_not_json_is_415_after_authentication(api, client):
+    import json
+
+    headers = api.token("acme")
+    body = json.dumps(spec())
+    for media in ("text/plain", "application/x-yaml", "application/x-www-form-urlencoded", None):
+        sent = {**headers, "Content-Type": media} if media else headers
+        problem = _is_problem(client.post("/v1/builds", content=body, headers=sent), 415)
+        assert "application/json" in problem["detail"]
+    _is_problem(client.put("/v1/packages/pkg/aliases/stable", content='{"version": "1"}',
+                           headers={**headers, "Content-Type": "text/plain"}), 415)
+    _is_problem(client.post("/v1/builds", content=body, headers={"Content-Type": "text/plain"}), 401)
+    for media in ("application/json", "application/json; charset=utf-8", "application/merge-patch+json"):
+        assert client.post("/v1/builds", content=body, headers={**headers, "Content-Type": media}).status_code in (
+            200, 201)
+
+
 def test_openapi_documents_every_error_as_a_problem_with_an_example(client):
     doc = client.get("/openapi.json").json()
     assert "Problem" in doc["components"]["schemas"] and "HTTPValidationError" not in doc["components"]["schemas"]
