@@ -88,8 +88,8 @@ def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
     the label worker's own sweep (one model, zero-copy level switches, a level's ratios scored
     as one batch); the same model scoring one grid point per call (what switching alone gives);
     and re-materialising the sub-model per grid point, as ElastiLM's labeller rebuilds it."""
-    from pipeline.elastic_model import ElasticCausalLM
-    from pipeline.recover import attach_level_adapters, set_level_with_adapter
+    from device_sdk.elastic import ElasticLinear
+    from pipeline.elastic_model import serving_model
 
     worker = label.LabelWorker(package, tlm_dir)
     points = len(items) * len(ratios) * len(levels)
@@ -110,10 +110,10 @@ def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
         label.answer_correct(worker.model, worker.tokenizer, item, question)
 
     def rematerialising(item, question, level):
-        model = ElasticCausalLM.from_package(package)  # reload the weights ...
-        attach_level_adapters(model, package)
-        set_level_with_adapter(model, level)
-        for module in model.elastic_linears():  # ... and materialise the level's own copy
+        model = serving_model(package)  # reload the weights and adapters ...
+        model.set_level(level)
+        linears = [m for block in model.transformer.layers for m in block.modules() if isinstance(m, ElasticLinear)]
+        for module in linears:  # ... and materialise the level's own copy
             units, copy = module.units, module.active_weight.clone()
             module.cursor, module.level_widths = None, []  # a standalone layer, no longer following levels
             module.storage = torch.nn.Parameter(copy, requires_grad=False)

@@ -4,9 +4,9 @@ A vector gives every layer a keep ratio from a small grid of bins (0 skips the l
 whole). Vectors come from four heuristics: uniform width (LLM-Pruner style), dropping the least
 influential layers (ShortGPT style), widths weighted by layer importance around the anchors, and
 random. Each ratio is quantised to widths that exist (whole KV groups, `align`-neuron MLP steps,
-as `pipeline.elastify.layer_widths` cuts a level) and applied zero-copy through
-`ElasticCausalLM.set_widths`. Held-out perplexity is measured; latency t and energy e come from
-the cost model (`pipeline.latency.request_cost`); the score of budget (T, E) is
+as `pipeline.elastify.layer_widths` cuts a level) and applied zero-copy through the device SDK's
+`ElasticModel.set_widths`, so held-out perplexity is measured on the model a device runs; latency t
+and energy e come from the cost model (`pipeline.latency.request_cost`); the score of budget (T, E) is
 
     s = (1/ppl) · (E/e)^(α·1[E<e]) · (T/t)^(β·1[T<t]),  α = β = 2.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from device_sdk.format import Manifest, atomic_write_bytes, read_manifest
+from device_sdk.format import Manifest, atomic_write_bytes
 from device_sdk.latency import EnergyProfile
 from pipeline.calibration import make_windows
 from pipeline.elastify import layer_widths
@@ -204,13 +204,13 @@ class Collector:
     def __init__(self, package_dir: Path, settings: CollectSettings, latency_report: dict | None = None):
         from transformers import AutoTokenizer
 
-        from pipeline.elastic_model import ElasticCausalLM
+        from pipeline.elastic_model import serving_model
 
         self.settings = settings
         self.package_dir = Path(package_dir)
-        self.manifest = read_manifest(self.package_dir)
-        self.model = ElasticCausalLM.from_package(self.package_dir, self.manifest)
-        element_size = next(self.model.hf.parameters()).element_size()
+        self.model = serving_model(self.package_dir)
+        self.manifest = self.model.manifest
+        element_size = self.model.element_size
         self.costs = cost_context(self.manifest, settings, latency_report, element_size)
         self.element_size = element_size
         tokenizer = AutoTokenizer.from_pretrained(str(self.package_dir / "model"))

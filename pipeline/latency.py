@@ -5,8 +5,9 @@ Analytic part, per level, from the units it keeps:
   * `attn_flops_per_pair` = 4 · kept query rows summed over layers (QKᵀ and AV per (query, key) pair);
   * `weight_bytes`      = bytes of the kept weights, all read once per decode step;
   * `kv_bytes_per_token` = bytes of the K and V rows a token adds to the cache.
-Calibration: prefill and decode are timed on the build host for the measured levels, and
-two host constants are fitted by least squares across all points:
+Calibration: prefill and decode of the device SDK's own model (native kernels and decoder where
+they build, timed by `device_sdk.latency.measure_points` as a device times itself) are measured
+on the build host for the measured levels, and two host constants are fitted by least squares:
   TTFT(n) = ttft_overhead + prefill_flops(n) / flops_per_ms
   TPOT    = tpot_overhead + weight_bytes / bytes_per_ms
 The manifest's `latency_profile` is then exactly `device_sdk.latency.LatencyProfile` (per level
@@ -19,14 +20,20 @@ from __future__ import annotations
 
 import json
 import platform
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from device_sdk.format import LevelShape, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
-from device_sdk.latency import EnergyProfile, LatencyProfile, LevelLatency, feasible  # noqa: F401 (re-exported)
+from device_sdk.latency import (  # noqa: F401 (EnergyProfile, LevelLatency, feasible: re-exported)
+    EnergyProfile,
+    LatencyProfile,
+    LevelLatency,
+    feasible,
+    measure_points,
+)
+from device_sdk.runtime import ElasticModel
 from pipeline.elastify import active_params
 from pipeline.settings import LatencySettings
 from pipeline.stage import StageContext
@@ -76,34 +83,11 @@ def level_costs(manifest: Manifest, element_size: int = 4) -> dict[str, LevelCos
 # --------------------------------------------------------------------------- measuring on the build host
 
 
-def _best_ms(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, (time.perf_counter() - start) * 1000)
-    return best
-
-
-@torch.inference_mode()
-def measure_level(model, prompt_lengths: list[int], decode_tokens: int, repeats: int) -> tuple[dict[int, float], float]:
-    """({prompt length: TTFT ms}, TPOT ms) of the model's current level, HF forward with a KV cache."""
-    vocab = model.config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    ttft = {}
-    for length in prompt_lengths:
-        ids = torch.randint(0, vocab, (1, length), generator=generator)
-        ttft[length] = _best_ms(lambda ids=ids: model(ids, use_cache=False, logits_to_keep=1), repeats)
-    out = model(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), use_cache=True,
-                logits_to_keep=1)
-    cache, token, steps = out.cache, torch.zeros(1, 1, dtype=torch.long), []
-    for _ in range(decode_tokens):
-        start = time.perf_counter()
-        out = model(token, cache=cache, use_cache=True, logits_to_keep=1)
-        steps.append((time.perf_counter() - start) * 1000)
-        cache = out.cache
-    steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter: scheduler noise
-    return ttft, sum(steps) / len(steps)
+def measure_level(model: ElasticModel, prompt_lengths: list[int], decode_tokens: int,
+                  repeats: int) -> tuple[dict[int, float], float]:
+    """({prompt length: TTFT ms}, TPOT ms) of the SDK model's current level, timed as the device times it."""
+    ttfts, tpot = measure_points(model, prompt_lengths, decode_tokens, repeats)
+    return dict(zip(prompt_lengths, ttfts, strict=True)), tpot
 
 
 def measure_host(model, levels: list[str], settings: LatencySettings, ctx: StageContext) -> dict[str, dict]:
@@ -236,11 +220,12 @@ def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_t
 
 
 def build_cost_model(package_dir: Path, settings: LatencySettings, ctx: StageContext) -> dict:
-    from pipeline.elastic_model import ElasticCausalLM
+    """Costs per level, and the host constants fitted to the device SDK's own model timed on this host."""
+    from pipeline.elastic_model import serving_model
 
-    manifest = read_manifest(package_dir)
-    model = ElasticCausalLM.from_package(package_dir, manifest)
-    element_size = next(model.hf.parameters()).element_size()
+    model = serving_model(package_dir)
+    manifest = model.manifest
+    element_size = model.element_size
     costs = level_costs(manifest, element_size)
     names = settings.measure_levels or list(costs)
     previous_threads = torch.get_num_threads()
@@ -251,8 +236,7 @@ def build_cost_model(package_dir: Path, settings: LatencySettings, ctx: StageCon
     finally:
         torch.set_num_threads(previous_threads)
     host = fit_host(costs, measured)
-    fmt = {1: "int8", 2: "fp16", 4: "fp32"}.get(element_size, "fp32")
-    profile = predicted_profile(costs, host, settings.reference_tokens, fmt, settings.threads,
+    profile = predicted_profile(costs, host, settings.reference_tokens, model.weight_format, settings.threads,
                                 estimated=set(names) != set(costs))
     return {"costs": {k: asdict(v) for k, v in costs.items()}, "measured": measured, "host": host,
             "latency_profile": latency_profile_dict(profile)}

@@ -36,7 +36,7 @@ from torch import nn
 
 from device_sdk.elastic import ElasticLinear
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
-from device_sdk.lora import canonical_key, lora_scale, read_adapter
+from device_sdk.lora import adapter_metadata, canonical_key, lora_scale, read_adapter
 from device_sdk.lora import tensor_names as lora_tensor_names
 from pipeline.calibration import make_windows, text_windows
 from pipeline.contract import StageSettings
@@ -44,7 +44,6 @@ from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
 from pipeline.settings import RecoverSettings
 from pipeline.stage import StageContext
 
-PROJECTIONS = ATTN_PROJ + MLP_PROJ
 IGNORE = -100  # label of prompt and padding tokens: no loss
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task{with_input}. "
@@ -512,9 +511,7 @@ def warm_start(peft_model, adapter: Path, settings: RecoverSettings) -> int:
 def save_adapter(tensors: dict[str, torch.Tensor], path: Path, settings: RecoverSettings) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    meta = {"rank": str(settings.rank), "alpha": str(settings.alpha), "scale": str(settings.alpha / settings.rank),
-            "level": settings.level}
-    save_file(tensors, str(tmp), metadata=meta)
+    save_file(tensors, str(tmp), metadata=adapter_metadata(settings.rank, settings.alpha, level=settings.level))
     os.replace(tmp, path)
 
 
@@ -579,80 +576,6 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         "warm_start_from": str(init_adapter) if init_adapter is not None else None,
         "settings": settings.model_dump(mode="json"),
     }
-
-
-# --------------------------------------------------------------------------- serving level adapters in the pipeline
-
-
-class LevelLoRALinear(nn.Module):
-    """An ElasticLinear plus one LoRA per level; the active pair follows the level, no weight moves.
-
-    Row-unit layers see the full input and emit the active rows; column-unit layers see the
-    active inputs; either way A is [r, in_active] and B is [out_active, r], as stored.
-    """
-
-    def __init__(self, base: ElasticLinear):
-        super().__init__()
-        self.base = base
-        self.max_units = base.max_units
-        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
-        self.active: tuple[torch.Tensor, torch.Tensor, float] | None = None
-
-    def set_width(self, units: int) -> None:
-        self.base.set_width(units)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        if self.active is None:
-            return y
-        a, b, scale = self.active
-        return y + scale * F.linear(F.linear(x, a), b)
-
-
-def attach_level_adapters(model: ElasticCausalLM, package_dir: Path) -> list[str]:
-    """Wrap every projection and load the package's recovery adapters; returns levels that have one."""
-    from safetensors import safe_open
-
-    manifest = read_manifest(package_dir)
-    wrappers: dict[str, LevelLoRALinear] = {}
-    for index, layer in enumerate(model.hf.model.layers):
-        for parent, names, kind in ((layer.self_attn.inner, ATTN_PROJ, "self_attn"), (layer.mlp, MLP_PROJ, "mlp")):
-            for proj in names:
-                module = getattr(parent, proj)
-                if not isinstance(module, LevelLoRALinear):
-                    module = LevelLoRALinear(module)
-                    setattr(parent, proj, module)
-                wrappers[f"model.layers.{index}.{kind}.{proj}"] = module
-    loaded = []
-    for level in manifest.elastic.levels:
-        if level.adapter is None:
-            continue
-        with safe_open(str(Path(package_dir) / level.adapter), "pt") as handle:
-            scale = adapter_scale(handle.metadata() or {}, level.adapter)
-            for key in handle.keys():
-                if key.endswith(".lora_A"):
-                    base = key.removesuffix(".lora_A")
-                    wrappers[base].adapters[level.name] = (handle.get_tensor(key), handle.get_tensor(f"{base}.lora_B"),
-                                                           scale)
-        loaded.append(level.name)
-    model.lora_wrappers = list(wrappers.values())
-    return loaded
-
-
-def adapter_scale(meta: dict[str, str], where: str) -> float:
-    """LoRA scale from an adapter's metadata: `scale`, else `alpha / rank` (both are what we write)."""
-    if "scale" in meta:
-        return float(meta["scale"])
-    if "alpha" in meta and "rank" in meta:
-        return float(meta["alpha"]) / float(meta["rank"])
-    raise RecoverError(f"{where} has neither `scale` nor `alpha` and `rank` in its metadata")
-
-
-def set_level_with_adapter(model: ElasticCausalLM, level: str) -> None:
-    """Switch widths (views only) and make the level's LoRA, if any, the active one."""
-    model.set_level(level)
-    for wrapper in getattr(model, "lora_wrappers", []):
-        wrapper.active = wrapper.adapters.get(model.level)
 
 
 # --------------------------------------------------------------------------- into the package

@@ -49,18 +49,23 @@ def derived_labels() -> Path:
 
 
 def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
+    import pipeline.elastic_model
+    from device_sdk.elastic import ElasticLinear
+    from device_sdk.runtime import ElasticModel
     from pipeline import label
-    from pipeline.elastic_model import ElasticCausalLM
     from pipeline.stage import quiet_context
 
     package, tlm_dir = recovered_package(), score_tlm_dir()  # build the shared inputs before counting loads
     loads = []
-    original = ElasticCausalLM.from_package.__func__
-    monkeypatch.setattr(ElasticCausalLM, "from_package",
-                        classmethod(lambda cls, *a, **k: loads.append(a) or original(cls, *a, **k)))
+    original = pipeline.elastic_model.serving_model
+    monkeypatch.setattr(pipeline.elastic_model, "serving_model", lambda *a: loads.append(a) or original(*a))
     worker = label.LabelWorker(package, tlm_dir)
-    storages = {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr())
-                for m in worker.model.elastic_linears()}
+    assert isinstance(worker.model, ElasticModel)  # the device's own model
+
+    def elastic_linears():
+        return [m for m in worker.model.transformer.modules() if isinstance(m, ElasticLinear)]
+
+    storages = {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr()) for m in elastic_linears()}
     visited = []
     real_set_level = worker.set_level
 
@@ -68,7 +73,7 @@ def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
         real_set_level(level)
         visited.append(level)
         # every active weight is a view into the one storage the worker loaded
-        for module in worker.model.elastic_linears():
+        for module in elastic_linears():
             assert module.active_weight.untyped_storage().data_ptr() == storages[id(module)][1]
 
     worker.set_level = tracking_set_level
@@ -78,8 +83,7 @@ def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
     assert len(visited) == 3 * len(worker.levels)  # one switch per (item, level): its ratios run as one batch
     assert set(visited) == set(worker.levels)
     assert len(loads) == 1  # the weights were read once, at construction
-    assert {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr())
-            for m in worker.model.elastic_linears()} == storages
+    assert {id(m): (m.storage.data_ptr(), m.storage.untyped_storage().data_ptr()) for m in elastic_linears()} == storages
     assert set(worker.adapted_levels) == {"0.5", "0.7"}
 
 
@@ -102,7 +106,7 @@ def test_label_choice_scores_share_the_prompt_cache_exactly():
                 context = tokenizer(prompt, add_special_tokens=False)["input_ids"]
                 for c, choice in enumerate(choices):
                     tokens = tokenizer(" " + choice, add_special_tokens=False)["input_ids"]
-                    logits = worker.model(torch.tensor([context + tokens])).logits[0].log_softmax(-1)
+                    logits = worker.model.logits(torch.tensor([context + tokens]))[0].log_softmax(-1)
                     positions = torch.arange(len(context) - 1, len(context) - 1 + len(tokens))
                     expected[p, c] = logits[positions, torch.tensor(tokens)].mean()
         assert (batched - expected).abs().max().item() < 1e-4, level
@@ -111,20 +115,23 @@ def test_label_choice_scores_share_the_prompt_cache_exactly():
 
 
 def test_label_level_adapter_changes_the_output_of_its_level_only():
+    from device_sdk.llama import Projection
     from pipeline import label
 
     worker = label.LabelWorker(recovered_package(), None)
     ids = torch.tensor([[1, 2, 3, 4]])
     worker.set_level("0.5")
-    with_lora = worker.model(ids).logits
-    wrappers = worker.model.lora_wrappers
-    assert all(w.active is None or w.active is w.adapters["0.5"] for w in wrappers)
-    for w in wrappers:
-        w.active = None
-    without = worker.model(ids).logits
+    with_lora = worker.model.logits(ids)
+    projections = [m for m in worker.model.transformer.modules() if isinstance(m, Projection)]
+    adapter = worker.model.adapters["0.5"]
+    assert any(p.lora is not None for p in projections)
+    assert all(p.lora is None or any(p.lora is pair for pair in adapter.values()) for p in projections)
+    for p in projections:
+        p.lora = None
+    without = worker.model.logits(ids)
     assert not torch.allclose(with_lora, without)
     worker.set_level("1.0")
-    assert all(w.active is None for w in wrappers)
+    assert all(p.lora is None for p in projections)
 
 
 def test_label_shards_store_the_correctness_tensor():
