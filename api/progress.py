@@ -10,6 +10,7 @@ from typing import NoReturn
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console(stderr=True)
@@ -17,7 +18,7 @@ console = Console(stderr=True)
 
 def fail(message: str) -> NoReturn:
     """Print a clear error and exit non-zero (2: bad input)."""
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {escape(message)}")  # a message is text: `[a-z]` in it is no markup
     raise typer.Exit(code=2)
 
 

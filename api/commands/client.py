@@ -15,6 +15,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -51,7 +52,7 @@ def connected(server: str, token: str | None) -> Iterator[ElastifyClient]:
     except ElastifyAPIError as err:
         if 400 <= err.status < 500:
             fail(str(err))
-        console.print(f"[bold red]error:[/] {err}")
+        console.print(f"[bold red]error:[/] {escape(str(err))}")
         raise typer.Exit(code=1) from None
     except ValueError as err:
         fail(str(err))
@@ -311,7 +312,7 @@ def packages_pull(
         except PackageError as err:
             fail(str(err))
         except ConnectionError as err:
-            console.print(f"[bold red]error:[/] {err}")
+            console.print(f"[bold red]error:[/] {escape(str(err))}")
             raise typer.Exit(code=1) from None
     state = read_local_state(path)
     held = "every level" if state["max_level"] is None else f"levels <= {state['max_level']}"

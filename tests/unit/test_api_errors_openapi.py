@@ -165,6 +165,17 @@ def test_tokens_and_quota_commands(api, monkeypatch):
     assert runner.invoke(cli, ["tenants", "set-quota", "newco"]).exit_code == 2
 
 
+def test_cli_errors_print_brackets_as_text_not_as_rich_markup(api, monkeypatch):
+    from api.cli import app as cli
+    from cluster.spec import NAME_PATTERN
+
+    monkeypatch.setenv("ELASTIFY_DATABASE_URL", api.settings.database_url)
+    monkeypatch.setenv("COLUMNS", "200")
+    refused = CliRunner().invoke(cli, ["tokens", "create", "--tenant", "Bad Tenant"])
+    assert refused.exit_code == 2
+    assert f"must match {NAME_PATTERN}" in refused.output and "[a-z0-9]" in NAME_PATTERN
+
+
 def test_the_documents_examples_are_valid_instances_of_their_models(client):
     import api.schemas
 
