@@ -405,10 +405,14 @@ def verify_signature(manifest: Manifest, public_key) -> None:
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    if isinstance(public_key, str):
-        public_key = base64.b64decode(public_key)
-    if isinstance(public_key, bytes):
-        public_key = Ed25519PublicKey.from_public_bytes(public_key)
+    try:  # a mistyped --public-key is the user's error to fix, not a traceback
+        if isinstance(public_key, str):
+            public_key = base64.b64decode(public_key, validate=True)
+        if isinstance(public_key, bytes):
+            public_key = Ed25519PublicKey.from_public_bytes(public_key)
+    except ValueError:  # binascii.Error is one
+        raise PackageError("the public key is not an Ed25519 public key: give its 32 raw bytes as base64 "
+                           "(44 characters, as GET /v1/keys/signing shows it)") from None
     if not manifest.signature:
         raise PackageError("manifest is not signed")
     try:

@@ -134,6 +134,15 @@ def test_cli_pull_without_a_pinned_key_uses_the_servers_and_refuses_another_sign
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
+@pytest.mark.parametrize("key", ["not base64 at all!", base64.b64encode(b"short").decode()])
+def test_cli_pull_with_a_malformed_public_key_is_a_clear_error_not_a_traceback(cli, tmp_path, key):
+    result = cli("packages", "pull", "tiny", "1.0.0", "--public-key", key, "--cache-dir", str(tmp_path / "cache"))
+    assert result.exit_code == 2, result.output
+    assert "not an Ed25519 public key" in result.output and "Traceback" not in result.output
+    assert isinstance(result.exception, SystemExit)
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+
+
 def test_cli_usage_table(cli, api):
     from device_sdk.client import ElastifyClient
 
