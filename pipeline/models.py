@@ -27,6 +27,9 @@ SUPPORTED_ARCHITECTURES = {
 # GGUF names its family in general.architecture; Mistral GGUFs say "llama".
 GGUF_FAMILIES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Any one of these sets is a tokenizer transformers can load offline (fast JSON, SentencePiece, BPE vocab + merges).
+# Without one, AutoTokenizer says "You need to have sentencepiece or tiktoken installed" and calibration counts 0 tokens.
+TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
 class ModelLoadError(ValueError):
@@ -60,6 +63,9 @@ def check_hf_dir(path: Path) -> str:
         raise ModelLoadError(f"unsupported architecture {name}; {supported_message()}")
     if not any((path / f).is_file() for f in WEIGHT_FILES):
         raise ModelLoadError(f"{path} has no weights (looked for {', '.join(WEIGHT_FILES)})")
+    if not any(all((path / f).is_file() for f in files) for files in TOKENIZER_FILES):
+        looked = " or ".join(" + ".join(files) for files in TOKENIZER_FILES)
+        raise ModelLoadError(f"{path} has no tokenizer (looked for {looked}); copy the model's tokenizer files into it")
     return name
 
 

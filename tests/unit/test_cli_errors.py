@@ -70,6 +70,17 @@ def test_missing_weights(tmp_path, tiny_dir, calib_text):
     assert_refused(run_cli(*common(model, out, calib_text)), out, "has no weights")
 
 
+def test_missing_tokenizer_names_the_files_it_looked_for(tmp_path, tiny_dir, calib_text):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    out = tmp_path / "out"
+    result = run_cli(*common(model, out, calib_text))
+    assert_refused(result, out, "has no tokenizer (looked for tokenizer.json or tokenizer.model or vocab.json + merges.txt)")
+    assert "sentencepiece" not in result.output and "0 tokens" not in result.output
+
+
 def test_corrupt_weights(tmp_path, tiny_dir, calib_text):
     import shutil
 
