@@ -140,9 +140,12 @@ def ray_head(num_cpus: int = 2, num_gpus: int = 2) -> Iterator[str]:
     """A local Ray head (fake GPUs, no dashboard, auth off) that this process and subprocesses join."""
     import ray
 
+    from cluster.embedded import keep_ray_on_loopback
+
     temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
     port = free_port()
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    # Bound to 127.0.0.1 alone: Ray keeps a loopback node address only with this (cluster.embedded).
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", **keep_ray_on_loopback()}
     args = [str(VENV_BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
             f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}", "--include-dashboard=false", "--disable-usage-stats",
             f"--temp-dir={temp}", f"--dashboard-agent-listen-port={free_port()}",
