@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from cluster.registry import Registry
 from cluster.spec import BuildSpec, SpecError, StageSpec, validation_problems
-from pipeline.contract import SOURCE_PREFIX, Stage, StageSettings, input_refs
+from pipeline.contract import SOURCE_PREFIX, Shard, Stage, StageSettings, input_refs
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,40 @@ def _first_enabled(refs: tuple[str, ...], shards_of: dict) -> str:
     return refs[0]
 
 
+def _shard_key(stage: str, label: str) -> str:
+    return f"{stage}[{label}]"
+
+
+def _sibling_order(stage: Stage, shards: list[Shard]) -> tuple[list[Shard], list[str]]:
+    """The shards, each after the siblings whose outputs it reads (otherwise in the fan-out's order),
+    and what is wrong with their sibling inputs: an unknown or own label, an output the stage does
+    not have, a name that shadows a stage input, a cycle."""
+    labels = [s.label for s in shards]
+    problems = []
+    for shard in shards:
+        for name, (label, output) in shard.inputs.items():
+            where = f"shard {shard.label!r} input {name!r}"
+            if name in stage.inputs:
+                problems.append(f"{where} has the name of a stage input")
+            if label == shard.label or label not in labels:
+                problems.append(f"{where} names shard {label!r}, which is not a sibling; shards: {labels}")
+            if output not in stage.outputs:
+                problems.append(f"{where} names output {output!r}; the stage's outputs: {list(stage.outputs)}")
+    if problems:
+        return shards, problems
+    ordered: list[Shard] = []
+    placed: set[str] = set()
+    pending = list(shards)
+    while pending:
+        ready = [s for s in pending if all(label in placed for label, _ in s.inputs.values())]
+        if not ready:
+            return shards, [f"shards read each other's outputs in a cycle: {[s.label for s in pending]}"]
+        ordered += ready
+        placed |= {s.label for s in ready}
+        pending = [s for s in pending if s not in ready]
+    return ordered, []
+
+
 def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
     """Validate the spec against the registry and expand it into DAG nodes in dependency order."""
     problems: list[tuple[str, str]] = []
@@ -124,13 +158,21 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
             problems.append((f"stages.{stage.name}", "fans out to no shards with these settings; disable it"))
             shards_of[stage.name] = []
             continue
+        if shards is not None:
+            shards, sibling_problems = _sibling_order(stage, shards)
+            if sibling_problems:
+                problems += [(f"stages.{stage.name}", problem) for problem in sibling_problems]
+                shards_of[stage.name] = []
+                continue
         nodes = (
             [PlannedStage(stage.name, stage.name, None, settings, resources, max_attempts, inputs)]
             if shards is None
             else [
                 PlannedStage(
-                    f"{stage.name}[{s.label}]", stage.name, s.label,
-                    stage.shard_settings(settings, s), resources, max_attempts, dict(inputs),
+                    _shard_key(stage.name, s.label), stage.name, s.label,
+                    stage.shard_settings(settings, s), resources, max_attempts,
+                    {**inputs, **{name: UpstreamInput(_shard_key(stage.name, label), output)
+                                  for name, (label, output) in s.inputs.items()}},
                 )
                 for s in shards
             ]

@@ -2,8 +2,11 @@
 
 The default build is the whole ElastiLM chain:
 
-    profile → elastify → recover × levels → recover-install → latency → tlm-score
-            → label × shards → label-derive → tlm-decision → evaluate → publish
+    profile → elastify → corpus-generate × shards → corpus → recover × levels → recover-install
+            → latency → tlm-score → label × shards → label-derive → tlm-decision → evaluate → publish
+
+Recovery distils each level from the full model on the recovery corpus, top-down: level m starts
+from the next larger level's LoRA (`warm_start`, a sibling shard's output; see `_recover_shards`).
 
 Any stage in `ELASTILM_STAGES` can be switched off in the spec (`stages.<name>.enabled: false`,
 with the stages that need it); the chain then falls back to its other inputs, down to
@@ -42,7 +45,8 @@ MODEL_STAGE = Resources(num_cpus=2)
 SHARD = Resources(num_cpus=1)
 DEFAULT_SHARDS = 2  # label and clone-collect tasks, unless the spec sets `shards`
 
-ELASTILM_STAGES = ("recover", "recover-install", "latency", "tlm-score", "label", "label-derive", "tlm-decision")
+ELASTILM_STAGES = ("corpus-generate", "corpus", "recover", "recover-install", "latency", "tlm-score", "label",
+                   "label-derive", "tlm-decision")
 # The package the later stages read: with recovery adapters when recovery ran.
 PACKAGE = ("recover-install.package", "elastify.package")
 
@@ -65,8 +69,19 @@ def _default_shards(spec) -> dict:
 
 
 def _recover_shards(spec, settings: RecoverSettings) -> list[Shard]:
-    """One LoRA per level below full width (the full model needs no recovery)."""
-    return [Shard(level.name, {"level": level.name}) for level in map(Level, spec.levels) if level.ratio < 1.0]
+    """One LoRA per level below full width (the full model needs no recovery).
+
+    With `warm_start` the levels recover top-down, largest first: each level's task reads the next
+    larger level's adapter (a sibling shard's output) and starts from its prefix slices; the largest
+    level below 1.0 starts cold. Without it the levels are independent and run side by side.
+    """
+    levels = sorted((level for level in map(Level, spec.levels) if level.ratio < 1.0),
+                    key=lambda level: level.ratio, reverse=settings.warm_start)
+    if not settings.warm_start:
+        return [Shard(level.name, {"level": level.name}) for level in levels]
+    return [Shard(level.name, {"level": level.name},
+                  {"init_adapter": (levels[k - 1].name, "adapter")} if k else {})
+            for k, level in enumerate(levels)]
 
 
 def _count_shards(spec, settings: LabelSettings | CollectSettings | CorpusSettings) -> list[Shard]:
@@ -186,7 +201,8 @@ STAGES: tuple[Stage, ...] = (
         resources=MODEL_STAGE, from_spec=_elastify_from_spec, runtime=("build_id",),
     ),
     Stage(
-        name="recover", run=run_recover, settings=RecoverSettings, inputs={"package": "elastify.package"},
+        name="recover", run=run_recover, settings=RecoverSettings,
+        inputs={"package": "elastify.package", "corpus": "corpus.corpus"}, optional_inputs=frozenset({"corpus"}),
         outputs=("adapter", "peft", "metrics"), resources=SHARD, fan_out=_recover_shards,
     ),
     Stage(
@@ -242,17 +258,19 @@ STAGES: tuple[Stage, ...] = (
         name="experts", run=run_experts, settings=ExpertSettings, inputs={"package": "elastify.package"},
         outputs=("experts",), resources=MODEL_STAGE, enabled_by_default=False,
     ),
-    # The recovery corpus (issue 13), off until recovery reads it: the full model answers packaged
-    # prompts on shards, then `corpus` merges them with packaged text, disjoint from every evaluation set.
-    # The merge has no settings: it takes those the shards were generated with.
+    # The recovery corpus (issue 13), what `recover` trains on: the full model answers packaged prompts
+    # on shards, then `corpus` merges them with packaged text, disjoint from every evaluation set.
+    # The merge has no settings: it takes those the shards were generated with. On by default: the
+    # default 256 prompts × 128 tokens take ~25 min on two cores (~11 tokens/s a core for SmolLM2),
+    # a small share of the recovery they feed (8 levels × 200 steps × 4 × 256 tokens, distilled).
     Stage(
         name="corpus-generate", run=run_corpus_generate, settings=CorpusSettings,
         inputs={"package": "elastify.package"}, outputs=("generated",), resources=SHARD,
-        from_spec=_default_shards, fan_out=_count_shards, enabled_by_default=False,
+        from_spec=_default_shards, fan_out=_count_shards,
     ),
     Stage(
         name="corpus", run=run_corpus, inputs={"package": "elastify.package", "generated": "corpus-generate.generated"},
-        outputs=("corpus",), resources=Resources(num_cpus=1), enabled_by_default=False,
+        outputs=("corpus",), resources=Resources(num_cpus=1),
     ),
     Stage(
         name="publish", run=run_publish,

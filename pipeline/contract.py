@@ -68,10 +68,16 @@ class Resources:
 
 @dataclass(frozen=True)
 class Shard:
-    """One node of a fanned-out stage: its label (the `[…]` of the node key) and the settings it sets."""
+    """One node of a fanned-out stage: its label (the `[…]` of the node key) and the settings it sets.
+
+    `inputs` names outputs of sibling shards, input name -> (sibling label, output): e.g. recovery
+    warm-started top-down gives shard "0.5" `{"init_adapter": ("0.7", "adapter")}`, so level 0.5
+    runs after level 0.7 and starts from its adapter. Planning checks the labels and refuses cycles.
+    """
 
     label: str
     settings: Mapping[str, Any]
+    inputs: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def input_refs(refs: str | tuple[str, ...]) -> tuple[str, ...]:

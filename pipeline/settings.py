@@ -110,7 +110,9 @@ class RecoverSettings(StageSettings):
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
     top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
     lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
-    warm_start: bool = False  # start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced
+    # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
+    # levels then recover one after another, largest first (pipeline.chain._recover_shards).
+    warm_start: bool = True
 
 
 class LatencySettings(StageSettings):

@@ -57,8 +57,9 @@ def test_builtin_dag_is_the_elastilm_chain_and_checks_stage_settings():
                        "stages": {"profile": {"settings": {"windows": 2}}, "label": {"settings": {"shards": 3}}}})
     nodes = plan(spec, default_registry())
     assert [n.key for n in nodes] == [
-        "profile", "elastify", "recover[0.5]", "recover[0.7]", "recover-install", "latency", "tlm-score",
-        "label[0]", "label[1]", "label[2]", "label-derive", "tlm-decision", "evaluate", "publish"]
+        "profile", "elastify", "corpus-generate[0]", "corpus-generate[1]", "corpus", "recover[0.7]", "recover[0.5]",
+        "recover-install", "latency", "tlm-score", "label[0]", "label[1]", "label[2]", "label-derive",
+        "tlm-decision", "evaluate", "publish"]
     by_key = {n.key: n for n in nodes}
     assert by_key["profile"].inputs == {"model": ExternalPath("/models/x")}
     assert by_key["profile"].settings.calibration == ["ptb:train"] and by_key["profile"].settings.windows == 2
@@ -97,7 +98,8 @@ def test_builtin_dag_reports_every_bad_setting_and_missing_dependency():
                                             "recolour": {}}}), default_registry())
     fields = {where for where, _ in caught.value.problems}
     # The root causes (every stage that reads elastify's package), not their knock-on effects.
-    assert fields == {"stages.profile.settings.windowz", "stages.recolour", "stages.recover",
+    assert fields == {"stages.profile.settings.windowz", "stages.recolour", "stages.corpus-generate",
+                      "stages.corpus", "stages.recover",
                       "stages.recover-install", "stages.latency", "stages.tlm-score"}
 
     with pytest.raises(SpecError, match="fans out to no shards"):  # only the full level: nothing to recover
@@ -208,7 +210,7 @@ def test_planning_the_default_spec_imports_no_torch_and_no_algorithm_module():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     report = json.loads(out)
-    assert report["nodes"] == 19
+    assert report["nodes"] == 22
     pipeline = {m for m in report["modules"] if m.startswith("pipeline.")}
     assert pipeline == {"pipeline.chain", "pipeline.contract", "pipeline.settings", "pipeline.stage"}
     assert not {m for m in report["modules"] if m.split(".")[0] in ("torch", "transformers", "safetensors")}
@@ -223,3 +225,55 @@ def test_a_fan_out_whose_shards_share_a_key_is_a_spec_error_naming_the_stage():
     with pytest.raises(SpecError) as caught:
         plan(parse_spec({**BASE, "levels": [0.5, 1.0]}), registry)
     assert caught.value.problems == [("stages.per_level", "fans out to several shards with one key: ['per_level[same]']")]
+
+
+def test_recovery_distils_on_the_corpus_top_down_each_level_from_the_next_larger_ones_adapter():
+    nodes = plan(parse_spec({**BASE, "levels": [0.3, 0.5, 0.7, 1.0]}), default_registry())
+    recover = [n for n in nodes if n.type == "recover"]
+    assert [n.key for n in recover] == ["recover[0.7]", "recover[0.5]", "recover[0.3]"]  # each after its source
+    assert all(n.settings.loss == "distill" and n.settings.warm_start for n in recover)
+    assert recover[0].inputs == {"package": UpstreamInput("elastify", "package"),
+                                 "corpus": UpstreamInput("corpus", "corpus")}  # the largest starts cold
+    assert recover[1].inputs["init_adapter"] == UpstreamInput("recover[0.7]", "adapter")
+    assert recover[2].inputs["init_adapter"] == UpstreamInput("recover[0.5]", "adapter")
+    assert {n.key: n for n in nodes}["corpus"].inputs == {
+        "package": UpstreamInput("elastify", "package"),
+        "generated.0": UpstreamInput("corpus-generate[0]", "generated"),
+        "generated.1": UpstreamInput("corpus-generate[1]", "generated")}
+
+    cold = plan(parse_spec({**BASE, "levels": [0.3, 0.5, 1.0], "stages": {
+        "recover": {"settings": {"warm_start": False}}, "corpus": {"enabled": False}}}), default_registry())
+    recover = [n for n in cold if n.type == "recover"]
+    assert [n.key for n in recover] == ["recover[0.3]", "recover[0.5]"]  # independent, side by side
+    assert all(n.inputs == {"package": UpstreamInput("elastify", "package")} for n in recover)  # corpus optional
+
+
+def _chained(shard_inputs: dict[str, dict[str, tuple[str, str]]]) -> Registry:
+    return Registry([
+        tiny_stage("prep"),
+        tiny_stage("per_level", inputs={"x": "prep.out"},
+                   fan_out=lambda spec, settings: [Shard(label, {"tag": label}, inputs)
+                                                   for label, inputs in shard_inputs.items()]),
+    ])
+
+
+def test_a_shard_reading_a_sibling_is_planned_after_it_with_an_edge_to_its_output():
+    registry = _chained({"a": {"seed": ("c", "out")}, "b": {}, "c": {"seed": ("b", "out")}})
+    nodes = plan(parse_spec(BASE), registry)
+    assert [n.key for n in nodes] == ["prep", "per_level[b]", "per_level[c]", "per_level[a]"]
+    by_key = {n.key: n for n in nodes}
+    assert by_key["per_level[a]"].inputs == {"x": UpstreamInput("prep", "out"), "seed": UpstreamInput("per_level[c]", "out")}
+    assert by_key["per_level[b]"].inputs == {"x": UpstreamInput("prep", "out")}
+
+
+@pytest.mark.parametrize(("shard_inputs", "message"), [
+    ({"a": {"seed": ("z", "out")}, "b": {}}, "shard 'a' input 'seed' names shard 'z', which is not a sibling; shards: ['a', 'b']"),
+    ({"a": {"seed": ("a", "out")}}, "shard 'a' input 'seed' names shard 'a', which is not a sibling; shards: ['a']"),
+    ({"a": {"seed": ("b", "weights")}, "b": {}}, "shard 'a' input 'seed' names output 'weights'; the stage's outputs: ['out']"),
+    ({"a": {"x": ("b", "out")}, "b": {}}, "shard 'a' input 'x' has the name of a stage input"),
+    ({"a": {"seed": ("b", "out")}, "b": {"seed": ("a", "out")}}, "shards read each other's outputs in a cycle: ['a', 'b']"),
+])
+def test_a_bad_sibling_input_is_a_spec_error_naming_the_stage_and_the_shard(shard_inputs, message):
+    with pytest.raises(SpecError) as caught:
+        plan(parse_spec(BASE), _chained(shard_inputs))
+    assert caught.value.problems == [("stages.per_level", message)]
