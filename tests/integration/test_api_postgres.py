@@ -77,3 +77,25 @@ def test_listing_filters_and_pages_on_postgresql(live):
         assert [b["id"] for b in named] == [ids[7], ids[4], ids[1]]
         cancelled = client.get("/v1/builds", params={"status": "cancelled"}).json()["items"]
         assert [b["id"] for b in cancelled] == [ids[0]]
+
+
+def test_concurrent_first_submissions_of_a_new_tenant_all_succeed(postgres_server, tmp_path):
+    # The tenant row is created by whichever submission comes first (insert … on conflict do nothing);
+    # the others wait for it instead of failing on its primary key.
+    from cluster.db import make_engine, migrate, session_factory
+    from cluster.service import submit
+    from cluster.spec import parse_spec
+    from tests.integration.control_plane import chain_registry
+
+    url = services.create_database(postgres_server, f"t_{uuid.uuid4().hex[:10]}")
+    migrate(url)
+    sessions, registry = session_factory(make_engine(url)), chain_registry()
+
+    def first_submission(i: int) -> str:
+        return submit(sessions, parse_spec(spec(version=str(i))), registry, tenant="newcomer").build_id
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = list(pool.map(first_submission, range(8)))
+    assert len(set(ids)) == 8
+    with sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Build).where(Build.tenant_id == "newcomer")) == 8
