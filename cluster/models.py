@@ -129,7 +129,12 @@ class Attempt(Base):
     cpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)  # wall × GPUs granted
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Last renewal of the stage's lease by the scheduler that ran this attempt: a lease-expired
+    # attempt is charged up to here, not for the whole outage until another scheduler noticed.
+    heartbeat_at: Mapped[datetime | None]
     ended_at: Mapped[datetime | None]
+    # When the store sweeper deleted what this (failed or cancelled) attempt had uploaded.
+    outputs_swept_at: Mapped[datetime | None]
     __table_args__ = (UniqueConstraint("stage_id", "number"),)
 
 
@@ -143,6 +148,19 @@ class Artifact(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (UniqueConstraint("stage_id", "name"),)
+
+
+class Upload(Base):
+    """A source a tenant uploaded (POST /v1/sources): an artifact at sources/<tenant>/<digest> in the store,
+    named in specs as `upload:<digest>`. Content-addressed per tenant, so one tenant never reads another's."""
+
+    __tablename__ = "uploads"
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), primary_key=True)
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)  # sha256 of the artifact's index
+    kind: Mapped[str] = mapped_column(String(8))  # "file" or "dir" (an archive, unpacked)
+    name: Mapped[str] = mapped_column(String(255), default="")  # what the uploader called it
+    size: Mapped[int] = mapped_column(BigInteger)  # bytes of its files: what the quota counts
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class Package(Base):

@@ -36,6 +36,7 @@ from cluster.packages import register_package
 from cluster.registry import Registry
 from cluster.settings import Settings
 from cluster.states import TERMINAL, Status, advance
+from cluster.sweeper import attempt_prefix, sweep_dead_outputs
 from device_sdk.format import canonical_json
 from pipeline import contract
 from workers.ray_tasks import submit
@@ -45,6 +46,7 @@ from workers.store import ArtifactRef, StoreError
 log = logging.getLogger("elastify.scheduler")
 PIPELINE_VERSION = pipeline_version()
 EVENT_DRAIN_SECONDS = 0.25
+STORE_SWEEP_SECONDS = 30.0  # how often dead attempts' partial outputs are looked for
 
 
 class Unschedulable(RuntimeError):
@@ -102,7 +104,7 @@ class Scheduler:
         self.inflight: dict[Any, Inflight] = {}
         self.events = None
         self._lock_handle = None
-        self._last_heartbeat = self._last_sweep = self._last_drain = 0.0
+        self._last_heartbeat = self._last_sweep = self._last_drain = self._last_store_sweep = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -172,6 +174,9 @@ class Scheduler:
             self._requeue_expired()
             self._finalize_open_builds()
             self._last_sweep = now
+        if now - self._last_store_sweep >= STORE_SWEEP_SECONDS:
+            self._sweep_store()
+            self._last_store_sweep = now
         self._cancel_requested()
         dispatched = self._lease_and_dispatch()
         collected = self._collect()
@@ -204,6 +209,12 @@ class Scheduler:
                 .where(Stage.lease_owner == self.owner, Stage.status == Status.RUNNING.value)
                 .values(lease_expires_at=self._lease_until())
             )
+            # What a lease-expired attempt is charged up to (see _requeue_expired).
+            session.execute(
+                update(Attempt)
+                .where(Attempt.worker == self.owner, Attempt.status == Status.RUNNING.value)
+                .values(heartbeat_at=utcnow())
+            )
 
     def _requeue_expired(self) -> None:
         """Stages whose lease ran out (their scheduler died) go back to the queue, or fail when out of attempts."""
@@ -219,7 +230,10 @@ class Scheduler:
                     select(Attempt).where(Attempt.stage_id == stage.id, Attempt.status == Status.RUNNING.value)
                 )
                 if attempt is not None:
-                    wall = (utcnow() - attempt.started_at).total_seconds()
+                    # Charge the attempt up to the last sign of life of its scheduler, not for the outage
+                    # until this one noticed (a dead scheduler's Ray tasks die with it).
+                    last_alive = max(attempt.heartbeat_at or attempt.started_at, attempt.started_at)
+                    wall = (last_alive - attempt.started_at).total_seconds()
                     advance(session, Attempt, attempt.id, Status.RUNNING, Status.FAILED, exit="lease_expired",
                             error=f"lease of {stage.lease_owner} expired", ended_at=utcnow(), wall_seconds=wall,
                             gpu_seconds=wall * attempt.num_gpus)
@@ -274,7 +288,11 @@ class Scheduler:
             inputs[edge.name] = ArtifactRef(artifact.uri, artifact.digest, artifact.size)
         return inputs
 
-    def _cache_key(self, stage: Stage, registration: contract.Stage, inputs, runtime: dict[str, str]) -> str:
+    def _cache_key(self, stage: Stage, registration: contract.Stage, inputs, runtime: dict[str, str],
+                   tenant: str) -> str:
+        """The stage's content address. It includes the tenant: the stage cache is per tenant, so an
+        identical build of another tenant runs its stages anew instead of hitting ours, and a cache hit
+        never tells a tenant that someone else built this model (nor hands it their artifacts)."""
         digests = {
             name: ref.digest if isinstance(ref, ArtifactRef) else path_fingerprint(ref.path)
             for name, ref in inputs.items()
@@ -286,7 +304,7 @@ class Scheduler:
         }
         named = registration.settings.model_validate(stage.settings).named_paths()
         material = {
-            "stage": registration.name, "stage_version": registration.version, "pipeline": PIPELINE_VERSION,
+            "tenant": tenant, "stage": registration.name, "stage_version": registration.version, "pipeline": PIPELINE_VERSION,
             "settings": stage.settings, "inputs": digests, "runtime": hashed_runtime,
             "files": named_files_fingerprint(named),  # what a calibration file etc. holds, not only its name
         }
@@ -323,7 +341,7 @@ class Scheduler:
                 settings = registration.settings.model_validate(stage.settings)
                 runtime = {name: self.runtime[name].provide(build) for name in registration.runtime}
                 if build.spec.get("cache", True):
-                    stage.cache_key = self._cache_key(stage, registration, inputs, runtime)
+                    stage.cache_key = self._cache_key(stage, registration, inputs, runtime, build.tenant_id)
                     cached = self._cached_outputs(session, stage, registration) if stage.cache_key else None
                 else:
                     cached = None
@@ -351,7 +369,7 @@ class Scheduler:
             # Numbers are unique per stage; `attempts` counts those that spend the retry budget.
             number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.stage_id == stage_id)) or 0) + 1
             stage.attempts += 1
-            attempt = Attempt(stage_id=stage.id, number=number, worker=self.owner,
+            attempt = Attempt(stage_id=stage.id, number=number, worker=self.owner, heartbeat_at=utcnow(),
                               num_cpus=float(stage.resources.get("num_cpus") or 0),
                               num_gpus=float(stage.resources.get("num_gpus") or 0))
             session.add(attempt)
@@ -360,7 +378,7 @@ class Scheduler:
                 build_id=stage.build_id, stage_id=stage.id, stage_key=stage.key, attempt=number,
                 run=registration.run, inputs=inputs, outputs=registration.outputs,
                 settings=settings, store=self.settings.store,
-                output_prefix=f"builds/{stage.build_id}/{stage.key}/a{number}", runtime=runtime,
+                output_prefix=attempt_prefix(stage.build_id, stage.key, number), runtime=runtime,
             )
             info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)
             session.add(Event(build_id=stage.build_id, stage_id=stage.id, attempt=number, kind="state",
@@ -516,6 +534,14 @@ class Scheduler:
                 ray.cancel(ref, force=True)  # kills the worker process: the stage really stops
                 del self.inflight[ref]
                 self._finish_attempt(info, {"ok": False, "error": "cancelled"}, exit="cancelled")
+
+    def _sweep_store(self) -> None:
+        """Delete partial outputs of attempts that died a while ago (cluster.sweeper); best effort."""
+        grace = timedelta(seconds=max(60.0, 2 * self.settings.lease_seconds))
+        try:
+            sweep_dead_outputs(self.sessions, self.store, utcnow() - grace)
+        except Exception as err:  # a store that is down now is swept later; the build must go on
+            log.warning("store sweep failed: %s", err)
 
     def _work_left(self) -> bool:
         with self.sessions() as session:

@@ -110,6 +110,10 @@ class ArtifactStore(ABC):
     def copy(self, source: str, dest: str) -> None: ...
 
     @abstractmethod
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under `prefix/` (a whole artifact or attempt); return how many. Idempotent."""
+
+    @abstractmethod
     def ensure_ready(self) -> None:
         """Create the bucket or root directory if needed (idempotent)."""
 
@@ -124,22 +128,11 @@ class ArtifactStore(ABC):
     # ------------------------------------------------------------------ artifacts
 
     def put_artifact(self, prefix: str, path: Path) -> ArtifactRef:
-        path = Path(path)
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            entries = [(p, p.relative_to(path).as_posix()) for p in files]
-            kind = "dir"
-        elif path.is_file():
-            entries, kind = [(path, path.name)], "file"
-        else:
-            raise FileNotFoundError(f"stage output {path} does not exist")
-        listing = []
+        entries, index = artifact_index(path)
         for file, relative in entries:
             self.put_file(f"{prefix}/files/{relative}", file)
-            listing.append({"path": relative, "size": file.stat().st_size, "sha256": sha256_file(file)})
-        index = canonical_json({"kind": kind, "files": listing})
         self.put_bytes(f"{prefix}/{INDEX}", index)  # last: the artifact exists from here on
-        return ArtifactRef(prefix, hashlib.sha256(index).hexdigest(), sum(e["size"] for e in listing))
+        return ArtifactRef(prefix, hashlib.sha256(index).hexdigest(), sum(f.stat().st_size for f, _ in entries))
 
     def read_index(self, ref: ArtifactRef) -> dict:
         raw = self.get_bytes(f"{ref.key}/{INDEX}")
@@ -167,6 +160,21 @@ class ArtifactStore(ABC):
         except (KeyError, FileNotFoundError, StoreIntegrityError):
             return False
         return True
+
+
+def artifact_index(path: Path) -> tuple[list[tuple[Path, str]], bytes]:
+    """The (file, relative path) entries of a file or directory and the index `put_artifact` writes for it:
+    its sha256 is the artifact's digest, known before anything is stored (content-addressed uploads)."""
+    path = Path(path)
+    if path.is_dir():
+        entries = [(p, p.relative_to(path).as_posix()) for p in sorted(p for p in path.rglob("*") if p.is_file())]
+        kind = "dir"
+    elif path.is_file():
+        entries, kind = [(path, path.name)], "file"
+    else:
+        raise FileNotFoundError(f"stage output {path} does not exist")
+    listing = [{"path": relative, "size": file.stat().st_size, "sha256": sha256_file(file)} for file, relative in entries]
+    return entries, canonical_json({"kind": kind, "files": listing})
 
 
 class LocalStore(ArtifactStore):
@@ -213,6 +221,16 @@ class LocalStore(ArtifactStore):
 
     def copy(self, source: str, dest: str) -> None:
         self.put_file(dest, self._path(source))
+
+    def delete_prefix(self, prefix: str) -> int:
+        import shutil
+
+        base = self._path(prefix)
+        if base == self.root.resolve() or not base.exists():  # never the whole store
+            return 0
+        count = sum(1 for p in base.rglob("*") if p.is_file()) if base.is_dir() else 1
+        shutil.rmtree(base) if base.is_dir() else base.unlink()
+        return count
 
 
 class S3Store(ArtifactStore):
@@ -313,6 +331,15 @@ class S3Store(ArtifactStore):
         return self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires_in
         )
+
+    def delete_prefix(self, prefix: str) -> int:
+        if not prefix.strip("/"):  # never the whole bucket prefix
+            return 0
+        keys = self.list(prefix.rstrip("/") + "/")
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[start:start + 1000]]
+            self._call(prefix, self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        return len(keys)
 
     def copy(self, source: str, dest: str) -> None:
         if self._call(source, self.client.head_object, Bucket=self.bucket, Key=self._key(source))["ContentLength"] >= 5 << 30:

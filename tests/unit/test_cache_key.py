@@ -12,7 +12,7 @@ from workers.runner import ExternalInput
 def _key(scheduler: Scheduler, stage_type: str, settings: dict, inputs=None) -> str:
     registration = scheduler.registry.get(stage_type)
     row = Stage(key=stage_type, type=stage_type, settings=registration.settings(**settings).model_dump(mode="json"))
-    return scheduler._cache_key(row, registration, inputs or {}, {})
+    return scheduler._cache_key(row, registration, inputs or {}, {}, "acme")
 
 
 def test_rewriting_a_file_named_in_the_settings_changes_the_cache_key(tmp_path):
