@@ -1,4 +1,4 @@
-"""`elastify-device`: pull, verify, profile, run and serve packages on this device."""
+"""`elastify-device`: pin publisher keys, pull, verify, profile, run and serve packages on this device."""
 
 from __future__ import annotations
 
@@ -6,7 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from device_sdk.format import PackageError, verify_package
+from device_sdk.format import PackageError, check_files, load_public_key, read_manifest
+
+
+def _public_key(text: str):
+    """argparse type of --public-key: a malformed key is a usage error (exit 2) that says what a key is."""
+    try:
+        return load_public_key(text)
+    except PackageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _slo(args):
@@ -20,8 +28,42 @@ def _slo(args):
 
 
 def cmd_verify(args) -> int:
-    manifest = verify_package(args.package, args.public_key)
-    print(f"ok: {manifest.name} {manifest.version}, {len(manifest.files)} files verified")
+    from device_sdk.trust import check_signature
+
+    manifest = read_manifest(args.package)
+    key = check_signature(manifest, args.public_key, allow_unsigned=args.allow_unsigned)
+    check_files(args.package, manifest)
+    signature = "signature verified" if key is not None else "signature NOT checked (--allow-unsigned)"
+    print(f"ok: {manifest.name} {manifest.version}, {len(manifest.files)} files verified, {signature}")
+    return 0
+
+
+def cmd_trust_add(args) -> int:
+    from device_sdk.trust import TrustStore
+
+    store = TrustStore()
+    key = store.add(args.name, args.key, replace=args.replace)
+    print(f"pinned {key} for {args.name} in {store.path}")
+    return 0
+
+
+def cmd_trust_list(args) -> int:
+    from device_sdk.trust import TrustStore
+
+    store = TrustStore()
+    for name, key in sorted(store.keys.items()):
+        print(f"{name}\t{key}")
+    if not store.keys:
+        print(f"no keys pinned in {store.path}", file=sys.stderr)
+    return 0
+
+
+def cmd_trust_remove(args) -> int:
+    from device_sdk.trust import TrustStore
+
+    store = TrustStore()
+    store.remove(args.name)
+    print(f"removed the key pinned for {args.name} from {store.path}")
     return 0
 
 
@@ -40,7 +82,8 @@ def cmd_profile(args) -> int:
     from device_sdk.latency import measure_profile, profile_path
     from device_sdk.runtime import ElasticModel
 
-    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
+                              quantize=args.quantize)
     profile = measure_profile(model, prompt_lengths=tuple(args.prompt_lengths), decode_tokens=args.decode_tokens)
     path = profile_path(model.package_dir, model.weight_format)
     profile.save(path)
@@ -54,7 +97,8 @@ def cmd_profile(args) -> int:
 def cmd_generate(args) -> int:
     from device_sdk.runtime import ElasticModel
 
-    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
+                              quantize=args.quantize)
     stream = model.generate(args.prompt, slo=_slo(args), max_new_tokens=args.max_new_tokens, stream=True,
                             level=args.level)
     for piece in stream:
@@ -72,7 +116,8 @@ def cmd_serve(args) -> int:
     from device_sdk.runtime import ElasticModel
     from device_sdk.serve import make_server
 
-    model = ElasticModel.load(args.package, public_key=args.public_key, quantize=args.quantize)
+    model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
+                              quantize=args.quantize)
     server = make_server(model, args.host, args.port, args.max_queue)
     print(f"serving {model.manifest.name} {model.manifest.version} on http://{args.host}:{server.server_address[1]}"
           "/v1/completions", flush=True)
@@ -92,11 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     def package_command(name: str, help: str, handler):
         command = sub.add_parser(name, help=help)
         command.add_argument("package", type=Path)
-        command.add_argument("--public-key", help="base64 Ed25519 public key to pin")
+        command.add_argument("--public-key", type=_public_key,
+                             help="the publisher's base64 Ed25519 public key (default: the one pinned for the "
+                                  "package's name with `trust add`)")
+        command.add_argument("--allow-unsigned", action="store_true",
+                             help="accept a package whose signature cannot be checked (no key given or pinned, or "
+                                  "an unsigned manifest), with a warning")
         command.set_defaults(handler=handler)
         return command
 
-    package_command("verify", "check every file's sha256 (and the signature with --public-key)", cmd_verify)
+    package_command("verify", "check the signature and every file's sha256", cmd_verify)
 
     pull = sub.add_parser("pull", help="download, verify and install a package")
     pull.add_argument("name")
@@ -104,10 +154,23 @@ def main(argv: list[str] | None = None) -> int:
     pull.add_argument("--registry", required=True,
                       help="directory, file:// or http(s):// bucket URL, or the Elastify API: http(s)://HOST:PORT/v1 "
                            "(bearer token from ELASTIFY_TOKEN)")
-    pull.add_argument("--public-key", required=True, help="the publisher's base64 Ed25519 public key")
+    pull.add_argument("--public-key", type=_public_key,
+                      help="the publisher's base64 Ed25519 public key (default: the one pinned for NAME)")
     pull.add_argument("--max-level", help="fetch only what levels up to this one need")
     pull.add_argument("--cache-dir", type=Path)
     pull.set_defaults(handler=cmd_pull)
+
+    trust = sub.add_parser("trust", help="pin publisher keys by package name (pull, load and verify check them)")
+    trust_sub = trust.add_subparsers(dest="trust_command", required=True)
+    trust_add = trust_sub.add_parser("add", help="pin KEY for packages named NAME")
+    trust_add.add_argument("name")
+    trust_add.add_argument("key", type=_public_key, help="the publisher's base64 Ed25519 public key")
+    trust_add.add_argument("--replace", action="store_true", help="replace another key pinned for NAME (a rotation)")
+    trust_add.set_defaults(handler=cmd_trust_add)
+    trust_sub.add_parser("list", help="the pinned keys").set_defaults(handler=cmd_trust_list)
+    trust_remove = trust_sub.add_parser("remove", help="unpin NAME's key")
+    trust_remove.add_argument("name")
+    trust_remove.set_defaults(handler=cmd_trust_remove)
 
     for name, help, handler in (
         ("profile", "measure this device's per-level TTFT and TPOT; saved beside the package", cmd_profile),

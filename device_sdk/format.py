@@ -15,6 +15,7 @@ import json
 import math
 import numbers
 import os
+import re
 import struct
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,7 @@ MANIFEST = "manifest.json"
 WEIGHTS = "model/weights.safetensors"
 CONFIG = "model/config.json"
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # package names and versions become cache paths and URLs
 
 
 class PackageError(ValueError):
@@ -397,22 +399,38 @@ def sign_manifest(manifest: Manifest, private_key) -> Manifest:
     return manifest
 
 
+def load_public_key(public_key):
+    """An Ed25519PublicKey from a key object, its 32 raw bytes or their base64; PackageError for anything else."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    try:  # a mistyped --public-key is the user's error to fix, not a traceback
+        if isinstance(public_key, str):
+            public_key = base64.b64decode(public_key.strip(), validate=True)
+        if isinstance(public_key, bytes | bytearray):
+            public_key = Ed25519PublicKey.from_public_bytes(bytes(public_key))
+    except ValueError:  # binascii.Error is one
+        public_key = None
+    if not isinstance(public_key, Ed25519PublicKey):
+        raise PackageError("the public key is not an Ed25519 public key: give its 32 raw bytes as base64 "
+                           "(44 characters, as GET /v1/keys/signing shows it)")
+    return public_key
+
+
+def public_key_b64(public_key) -> str:
+    """The base64 of a public key's 32 raw bytes: the form keys are shown, passed and pinned in."""
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    return base64.b64encode(load_public_key(public_key).public_bytes(Encoding.Raw, PublicFormat.Raw)).decode()
+
+
 def verify_signature(manifest: Manifest, public_key) -> None:
     """Raise PackageError unless the manifest carries a valid signature by `public_key`.
 
     `public_key` is an Ed25519PublicKey or its 32 raw bytes (or their base64).
     """
     from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-    try:  # a mistyped --public-key is the user's error to fix, not a traceback
-        if isinstance(public_key, str):
-            public_key = base64.b64decode(public_key, validate=True)
-        if isinstance(public_key, bytes):
-            public_key = Ed25519PublicKey.from_public_bytes(public_key)
-    except ValueError:  # binascii.Error is one
-        raise PackageError("the public key is not an Ed25519 public key: give its 32 raw bytes as base64 "
-                           "(44 characters, as GET /v1/keys/signing shows it)") from None
+    public_key = load_public_key(public_key)
     if not manifest.signature:
         raise PackageError("manifest is not signed")
     try:
@@ -517,22 +535,44 @@ def level_byte_ranges(manifest: Manifest, level: Level | float | str) -> list[tu
 
 
 def read_manifest(package_dir: Path) -> Manifest:
+    return parse_manifest(read_manifest_bytes(package_dir), Path(package_dir) / MANIFEST)
+
+
+def read_manifest_bytes(package_dir: Path) -> bytes:
     path = Path(package_dir) / MANIFEST
     if not path.is_file():
         raise PackageError(f"{package_dir} has no {MANIFEST}")
+    return path.read_bytes()
+
+
+def parse_manifest(raw: bytes, where: Path | str) -> Manifest:
+    """A manifest from its bytes: what was parsed is exactly what a caller may hash."""
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise PackageError(f"{path} is not valid JSON: {err}") from None
+        raise PackageError(f"{where} is not valid JSON: {err}") from None
     return Manifest.from_dict(data)
 
 
-def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] | None = None) -> Manifest:
-    """Check every listed file's size and sha256 (and the signature when a key is given)."""
+def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] | None = None,
+                   allow_unsigned: bool = False) -> Manifest:
+    """Check the signature and every listed file's size and sha256.
+
+    The signature is checked with `public_key`, else with the key pinned for the package's name
+    in the trust store (`device_sdk.trust`); without either, or for an unsigned manifest, the
+    package is refused unless `allow_unsigned` (then only the hashes are checked, with a warning).
+    """
+    from device_sdk.trust import check_signature  # the trust policy builds on this module, so imported here
+
     package_dir = Path(package_dir)
     manifest = read_manifest(package_dir)
-    if public_key is not None:
-        verify_signature(manifest, public_key)
+    check_signature(manifest, public_key, allow_unsigned=allow_unsigned)
+    check_files(package_dir, manifest, files)
+    return manifest
+
+
+def check_files(package_dir: Path, manifest: Manifest, files: Iterable[str] | None = None) -> None:
+    """Check the size and sha256 of every file the manifest lists (or of those named in `files`)."""
     wanted = set(files) if files is not None else None
     for entry in manifest.files:
         if wanted is not None and entry.path not in wanted:
@@ -544,7 +584,6 @@ def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] |
             raise PackageError(f"{entry.path} has {path.stat().st_size} bytes, the manifest says {entry.size}")
         if sha256_file(path) != entry.sha256:
             raise PackageError(f"{entry.path} does not match its sha256 in the manifest")
-    return manifest
 
 
 # --------------------------------------------------------------------------- writing

@@ -26,8 +26,8 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
+import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -42,19 +42,22 @@ from pathlib import Path
 from device_sdk.client import ElastifyAPIError, ElastifyClient
 from device_sdk.format import (
     MANIFEST,
+    SAFE_NAME,
     WEIGHTS,
     Level,
     Manifest,
     PackageError,
     atomic_write_bytes,
     canonical_json,
+    check_files,
     level_byte_ranges,
-    read_manifest,
-    verify_package,
+    parse_manifest,
+    read_manifest_bytes,
     verify_signature,
 )
+from device_sdk.trust import check_signature, signing_key
 
-SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")  # names and versions become cache paths and URLs
+log = logging.getLogger(__name__)
 LOCAL_STATE = ".elastify-local.json"  # written by pull into the installed copy, never in a registry
 CHUNK = 1 << 20
 ATTEMPTS = 3  # per file; each retry resumes where the last one stopped
@@ -232,29 +235,82 @@ def _discard(response, count: int) -> None:
 
 
 def read_local_state(package_dir: Path) -> dict | None:
-    """What pull recorded about an installed copy (None: not installed by pull)."""
+    """What pull recorded about an installed copy (None: not installed by pull, or a record that is not
+    readable: the copy is then checked as a whole package, the strictest reading)."""
     path = Path(package_dir) / LOCAL_STATE
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        state = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
 
 
-def verify_local(package_dir: Path, public_key=None, *, full: bool = True) -> Manifest:
-    """Check a local copy: format and signature always; every byte when `full`.
+def verify_local(package_dir: Path, public_key=None, *, full: bool = True, allow_unsigned: bool = False) -> Manifest:
+    """Check a local copy: format and signature (`device_sdk.trust` rule) always; every byte when `full`.
 
     A partial copy is checked file by file for the files it holds and range by range, against
     the signed range digests, for the weights it holds.
+
+    Threat model: whoever can write the package directory can also write `.elastify-local.json`
+    (unsigned) and any cache of results kept beside it, so neither may decide what is checked.
+    The local record only says how far a partial copy goes (`max_level`); which files and
+    ranges that means comes from the verified manifest, and every one of them is hashed on
+    every check. The one shortcut is `_VERIFIED`, a memo in this process's memory, which no
+    file write can forge: a copy verified here is not hashed again while its manifest digest
+    and each file's (device, inode, size, mtime_ns, ctime_ns) are unchanged. ctime cannot be set
+    back without root, and a file changed within `RACY_SECONDS` of a check is never memoized
+    (a change within one timestamp tick would not show in the stat). Bytes changed *after* a
+    check (the model maps its weights) are out of reach of any check at load time.
     """
     package_dir = Path(package_dir)
-    manifest = read_manifest(package_dir)
-    if public_key is not None:
-        verify_signature(manifest, public_key)
+    raw_manifest = read_manifest_bytes(package_dir)
+    manifest = parse_manifest(raw_manifest, package_dir / MANIFEST)
+    check_signature(manifest, public_key, allow_unsigned=allow_unsigned)
     if not full:
         return manifest
     state = read_local_state(package_dir)
-    if state is None or state.get("max_level") is None:
-        return verify_package(package_dir, files=None)
-    verify_package(package_dir, files=[f for f in state["files"] if f != WEIGHTS])
-    _verify_ranges(package_dir / WEIGHTS, manifest, state["max_level"])
+    held = None
+    if state is not None and state.get("max_level") is not None:
+        held = manifest.elastic.level(state["max_level"]).level
+        if held == manifest.elastic.levels[-1].level:
+            held = None
+    files = held_files(manifest, held)
+    memo_key = (str(package_dir.resolve()), hashlib.sha256(raw_manifest).hexdigest(),
+                None if held is None else held.name)
+    before = _file_stats(package_dir, files)
+    if before is not None and _VERIFIED.get(memo_key) == before:
+        return manifest
+    if held is None:
+        check_files(package_dir, manifest, files)
+    else:
+        check_files(package_dir, manifest, [f for f in files if f != WEIGHTS])
+        _verify_ranges(package_dir / WEIGHTS, manifest, held.name)
+    if before is not None and _file_stats(package_dir, files) == before and all(
+        time.time() - stat[-1] / 1e9 > RACY_SECONDS for stat in before
+    ):
+        _VERIFIED[memo_key] = before
     return manifest
+
+
+RACY_SECONDS = 2.0  # a file changed this recently may change again within one timestamp tick
+_VERIFIED: dict[tuple, tuple] = {}  # (package dir, manifest sha256, held level) -> file stats when verified
+
+
+def _file_stats(package_dir: Path, files: list[str]) -> tuple | None:
+    """(device, inode, size, mtime_ns, ctime_ns) of each file; None if one is missing (the check will say)."""
+    try:
+        stats = [(package_dir / path).stat() for path in files]
+    except OSError:
+        return None
+    return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
+
+
+def held_files(manifest: Manifest, level: Level | None) -> list[str]:
+    """The files a copy holding levels up to `level` (None: all) has: all but larger levels' adapters."""
+    skipped = set()
+    if level is not None:
+        skipped = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.level > level}
+    return [entry.path for entry in manifest.files if entry.path not in skipped]
 
 
 def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
@@ -301,7 +357,7 @@ def pull(
     version_or_alias: str,
     *,
     registry: str | Path | ElastifyClient,
-    public_key,
+    public_key=None,
     max_level: float | str | None = None,
     cache_dir: Path | None = None,
     workers: int = 4,
@@ -310,19 +366,24 @@ def pull(
 ) -> Path:
     """Download, verify and install a package; return its local directory.
 
-    `public_key` is the pinned Ed25519 key (raw 32 bytes, base64, or a key object).
-    `max_level` fetches only the bytes that levels up to it need; the copy records that and
-    ElasticModel refuses any larger level. An installed copy that already covers the
-    request is returned without network traffic beyond resolving the version.
+    `public_key` is the publisher's Ed25519 key (raw 32 bytes, base64, or a key object);
+    without it, the key pinned for `name` in the trust store (`device_sdk.trust`) is used, and
+    with neither nothing is pulled. `max_level` fetches only the bytes that levels up to it
+    need; the copy records that and ElasticModel refuses any larger level. An installed copy
+    that already covers the request is re-verified (its manifest must be the registry's, and
+    every byte must match it) and returned without downloading; one that does not verify is
+    fetched again.
     `registry` ending in /v1 (or an ElastifyClient) is the Elastify REST API; `token` is its
     bearer token (default: ELASTIFY_TOKEN). `on_progress(bytes done, bytes needed)` is called
     as blocks arrive, from the download threads.
     """
-    if public_key is None:
-        raise PackageError("pull needs the publisher's pinned public key")
     for label, value in (("name", name), ("version", version_or_alias)):
         if not SAFE_NAME.fullmatch(value) or value in (".", ".."):
             raise PackageError(f"package {label} {value!r} may use only letters, digits, '.', '_' and '-'")
+    public_key = signing_key(name, public_key)
+    if public_key is None:
+        raise PackageError(f"pull needs the publisher's pinned public key: pass it, or pin it once with "
+                           f"`elastify-device trust add {name} KEY`")
     source = Registry.open(registry, token=token)
     version, raw_manifest = source.release(name, version_or_alias)
     prefix = f"packages/{name}/{version}"
@@ -334,7 +395,13 @@ def pull(
     root = Path(cache_dir) if cache_dir is not None else default_cache()
     target = root / name / version
     if _covers(read_local_state(target), level):
-        return target
+        try:
+            if (target / MANIFEST).read_bytes() != raw_manifest:
+                raise PackageError("its manifest is not the registry's")
+            verify_local(target, public_key, full=True)
+            return target
+        except (OSError, PackageError) as err:  # changed since install: replace it with a verified copy
+            log.warning("the installed copy %s does not verify (%s); fetching it again", target, err)
     staging = root / name / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
     try:
@@ -383,15 +450,11 @@ def _covers(state: dict | None, level: Level | None) -> bool:
 def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: Level | None, workers: int,
            on_progress: Callable[[int, int], None] | None = None) -> tuple[list[str], int]:
     """Every needed (file, byte range) in parallel; returns the files the copy holds and the bytes needed."""
-    skipped_adapters = set()
-    if level is not None:
-        skipped_adapters = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.level > level}
+    files = held_files(manifest, level)
     jobs = []
-    files = []
     for entry in manifest.files:
-        if entry.path in skipped_adapters:
+        if entry.path not in files:
             continue
-        files.append(entry.path)
         path = staging / entry.path
         path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.stat().st_size != entry.size:

@@ -132,16 +132,20 @@ class ElasticModel:
     # -- loading -------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, package_dir: Path, *, public_key=None, quantize: str | None = None, native: bool = True,
-             verify: bool = True) -> ElasticModel:
+    def load(cls, package_dir: Path, *, public_key=None, allow_unsigned: bool = False, quantize: str | None = None,
+             native: bool = True, verify: bool = True) -> ElasticModel:
         """Open a local package. `quantize`: "int8" or "fp16" at load; None keeps the stored format.
 
-        A package installed by `pull` was verified then; anything else is verified here
-        (sha256 of every file, and the signature when `public_key` is given).
+        The manifest's signature is checked with `public_key`, else with the key pinned for the
+        package's name (`device_sdk.trust`); a package with neither, or an unsigned one, is
+        refused unless `allow_unsigned=True`, which logs a warning. `verify` (the default) also
+        hashes every byte the model holds, a copy installed by `pull` included (its local record
+        is not signed, so it never turns checks off; see `verify_local`); `verify=False` skips
+        the hashing only, for bytes the caller has just written itself.
         """
         package_dir = Path(package_dir)
+        manifest = verify_local(package_dir, public_key, full=verify, allow_unsigned=allow_unsigned)
         state = read_local_state(package_dir)
-        manifest = verify_local(package_dir, public_key, full=verify and state is None)
         held = state.get("max_level") if state else None
         stored = next(iter(safetensors_layout(package_dir / WEIGHTS)[1].values()))["dtype"]
         weight_format = quantize or ("fp16" if stored == "F16" else "fp32")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# An empty trust store of this run's own (subprocesses inherit it), so keys a developer pinned
+# (~/.config/elastify/trust.json) never change what a test sees.
+_TRUST_DIR = tempfile.mkdtemp(prefix="elastify-trust-")
+atexit.register(shutil.rmtree, _TRUST_DIR, True)
+os.environ["ELASTIFY_TRUST_STORE"] = str(Path(_TRUST_DIR) / "trust.json")
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 

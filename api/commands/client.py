@@ -297,11 +297,17 @@ def packages_pull(
     """Download a package through the API, verify every byte and the signature, and install it."""
     from device_sdk.format import PackageError
     from device_sdk.registry import pull, read_local_state
+    from device_sdk.trust import TrustStore
 
     with connected(server, token) as client:
-        if public_key is None:
+        try:
+            pinned = TrustStore().pinned(name)  # a pinned key is pull's default
+        except PackageError as err:
+            fail(str(err))
+        if public_key is None and pinned is None:
             public_key = client.signing_key()
-            console.print(f"verifying against the server's key {public_key} (pin it with --public-key)")
+            console.print(f"verifying against the server's key {public_key} "
+                          f"(pin it with `elastify-device trust add {name} KEY`)")
         bars = Progress(TextColumn(f"{name} {version}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                         TimeRemainingColumn(), console=console)
         task = bars.add_task("download", total=None)

@@ -134,6 +134,16 @@ def test_cli_pull_without_a_pinned_key_uses_the_servers_and_refuses_another_sign
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
+def test_cli_pull_checks_against_the_key_pinned_for_the_name_not_the_servers(cli, tmp_path, monkeypatch):
+    from device_sdk.trust import TRUST_STORE_ENV, TrustStore
+
+    monkeypatch.setenv(TRUST_STORE_ENV, str(tmp_path / "trust.json"))
+    TrustStore().add("tiny", PUBLIC_KEY)
+    result = cli("packages", "pull", "tiny", "1.0.0", "--cache-dir", str(tmp_path / "cache"))
+    assert result.exit_code == 0, result.output
+    assert "server's key" not in result.output and "verified tiny 1.0.0" in result.output
+
+
 @pytest.mark.parametrize("key", ["not base64 at all!", base64.b64encode(b"short").decode()])
 def test_cli_pull_with_a_malformed_public_key_is_a_clear_error_not_a_traceback(cli, tmp_path, key):
     result = cli("packages", "pull", "tiny", "1.0.0", "--public-key", key, "--cache-dir", str(tmp_path / "cache"))

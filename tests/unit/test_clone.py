@@ -153,7 +153,7 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
     (tmp_path / "profiles.json").write_text(json.dumps(found))
     publish_package(package, copy, signing_key(), {"profiles": tmp_path / "profiles.json"})  # its installer
     verify_package(copy, public_bytes(signing_key()))
-    sdk = ElasticModel.load(copy)
+    sdk = ElasticModel.load(copy, allow_unsigned=True)
     reference = ElasticCausalLM.from_package(copy)
     ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
     for name, entry in read_manifest(copy).clone["profiles"].items():

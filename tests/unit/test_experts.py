@@ -79,7 +79,7 @@ def test_experts_train_install_and_mix_in_the_sdk(tmp_path):
     assert [e["adapter"] for e in manifest.experts["experts"]] == [
         "adapters/experts/arc_easy.safetensors", "adapters/experts/piqa.safetensors"]
 
-    model = ElasticModel.load(copy)
+    model = ElasticModel.load(copy, allow_unsigned=True)
     ids = torch.tensor([list(b"Question: which is warmer?\nAnswer:")])
     plain = model.logits(ids)
     weights = model.mix_experts("Question: How do you open a jar?\nAnswer:", "soft")

@@ -54,7 +54,7 @@ def copy_of(package, tmp_path):
 
 
 def test_manifest_validates_and_every_file_verifies(package):
-    manifest = verify_package(package)
+    manifest = verify_package(package, allow_unsigned=True)
     assert manifest.format_version == 1 and manifest.name == "tiny"
     listed = {entry.path for entry in manifest.files}
     on_disk = {p.relative_to(package).as_posix() for p in package.rglob("*") if p.is_file()} - {MANIFEST}
@@ -72,15 +72,15 @@ def test_one_flipped_byte_in_any_file_is_detected(package, copy_of):
         flipped[len(flipped) // 2] ^= 0x01
         path.write_bytes(bytes(flipped))
         with pytest.raises(PackageError, match=entry.path):
-            verify_package(copy_of)
+            verify_package(copy_of, allow_unsigned=True)
         path.write_bytes(original)
-    verify_package(copy_of)
+    verify_package(copy_of, allow_unsigned=True)
 
 
 def test_missing_file_and_bad_manifest_are_detected(copy_of):
     (copy_of / "model" / "config.json").unlink()
     with pytest.raises(PackageError, match="missing"):
-        verify_package(copy_of)
+        verify_package(copy_of, allow_unsigned=True)
     data = json.loads((copy_of / MANIFEST).read_text())
     data["format_version"] = 2
     (copy_of / MANIFEST).write_text(json.dumps(data))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import threading
@@ -13,7 +14,7 @@ from device_sdk.cli import main as device_cli
 from device_sdk.latency import SLO, Decision, LatencyProfile, LevelLatency, profile_path
 from device_sdk.runtime import ElasticModel
 from device_sdk.serve import make_server, parse_slo
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
 
 KEY = signing_key()
 
@@ -26,7 +27,7 @@ def package(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def model(package) -> ElasticModel:
-    model = ElasticModel.load(package)
+    model = ElasticModel.load(package, allow_unsigned=True)
     # A fixed profile: decisions must not depend on how busy the test machine is.
     model.latency_profile = LatencyProfile(
         "fp32",
@@ -78,13 +79,15 @@ def test_sdk_decision_hook_replaces_the_profile_rule(model):
 
 
 def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
-    assert device_cli(["profile", str(package), "--prompt-lengths", "4", "12", "--decode-tokens", "3"]) == 0
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    assert device_cli(["profile", str(package), "--public-key", key, "--prompt-lengths", "4", "12",
+                       "--decode-tokens", "3"]) == 0
     path = profile_path(package, "fp32")
     assert path.parent == package.parent and path.is_file()
     profile = LatencyProfile.load(path)
     assert set(profile.levels) == {"0.25", "0.5", "0.75", "1.0"} and not profile.estimated
     assert all(entry.tpot_ms > 0 for entry in profile.levels.values())
-    assert ElasticModel.load(package).latency_profile.levels == profile.levels
+    assert ElasticModel.load(package, allow_unsigned=True).latency_profile.levels == profile.levels
     assert "saved" in capsys.readouterr().out
 
 

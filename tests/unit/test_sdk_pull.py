@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
 from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,7 +15,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from device_sdk import registry as registry_module
-from device_sdk.format import MANIFEST, WEIGHTS, PackageError, canonical_json
+from device_sdk.format import MANIFEST, WEIGHTS, PackageError, canonical_json, check_files
 from device_sdk.registry import pull, read_local_state
 from device_sdk.runtime import ElasticModel
 from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, signing_key, tiny_package
@@ -203,3 +205,70 @@ def test_sdk_partial_pull_fetches_only_the_needed_bytes(http_registry, registry,
     # Asking for more later upgrades the copy in place.
     upgraded = pull("tiny", "1.0.0", registry=http_registry, public_key=key, cache_dir=tmp_path / "a")
     assert upgraded == partial_path and read_local_state(upgraded)["max_level"] is None
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Flip one byte in place: same size, same inode, the mtime set back as it was."""
+    before = path.stat()
+    with open(path, "r+b") as handle:
+        handle.seek(before.st_size // 2 if offset is None else offset)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_sdk_load_with_a_key_hashes_a_pulled_copy_whatever_its_local_record_says(registry, tmp_path):
+    """The local record beside a pulled copy is unsigned: it must not turn hashing off (issue 16, item 10)."""
+    key = public_bytes(KEY)
+    path = pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
+    flip_byte(path / WEIGHTS)
+    with pytest.raises(PackageError, match="does not match its sha256"):
+        ElasticModel.load(path, public_key=key)
+
+    # A partial copy's record could name fewer files to check; which files it holds comes from the manifest.
+    partial = pull("tiny", "1.0.0", registry=registry, public_key=key, max_level=0.5, cache_dir=tmp_path / "p")
+    state = read_local_state(partial)
+    state["files"] = [f for f in state["files"] if not f.startswith("adapters/")]
+    (partial / registry_module.LOCAL_STATE).write_bytes(canonical_json(state))
+    flip_byte(partial / "adapters/recovery/0.5.safetensors")
+    with pytest.raises(PackageError, match="0.5.safetensors does not match"):
+        ElasticModel.load(partial, public_key=key)
+    (partial / registry_module.LOCAL_STATE).write_text("{")  # an unreadable record: checked as a whole package
+    with pytest.raises(PackageError, match=r"adapters/recovery/\S+ (does not match|is missing)"):
+        ElasticModel.load(partial, public_key=key)
+
+
+def test_sdk_a_verified_copy_is_not_hashed_again_until_a_file_changes(registry, tmp_path, monkeypatch):
+    """The in-memory memo of verified copies is keyed by each file's ctime, which a writer cannot set back."""
+    monkeypatch.setattr(registry_module, "RACY_SECONDS", 0.0)
+    key = public_bytes(KEY)
+    path = pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
+    hashed = []
+    monkeypatch.setattr(registry_module, "check_files", lambda *args: hashed.append(args[0]) or check_files(*args))
+    registry_module.verify_local(path, key)
+    registry_module.verify_local(path, key)
+    assert hashed == [path]  # the second check of an unchanged copy is the memo's
+    time.sleep(0.02)  # past one tick of the file-time clock
+    flip_byte(path / WEIGHTS)
+    with pytest.raises(PackageError, match="does not match its sha256"):
+        registry_module.verify_local(path, key)
+
+
+def test_sdk_pull_reverifies_an_installed_copy_and_replaces_a_changed_one(registry, tmp_path, caplog):
+    """An installed copy altered after install is not handed out again (issue 16, item 11)."""
+    key = public_bytes(KEY)
+    path = pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
+    published = registry / "packages/tiny/1.0.0"
+    flip_byte(path / WEIGHTS)
+    with caplog.at_level("WARNING", logger="device_sdk.registry"):
+        again = pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
+    assert again == path and "does not verify" in caplog.text
+    assert (path / WEIGHTS).read_bytes() == (published / WEIGHTS).read_bytes()
+
+    # A different (validly signed) manifest put in place of the installed one is replaced too.
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_bytes(json.dumps(manifest, indent=1).encode())
+    pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
+    assert (path / MANIFEST).read_bytes() == (published / MANIFEST).read_bytes()
+    ElasticModel.load(path, public_key=key)

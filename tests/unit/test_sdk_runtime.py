@@ -57,7 +57,7 @@ def test_sdk_rope_scaling_matches_hf(rope, tmp_path):
 
 def test_sdk_kv_cache_decode_equals_full_forward(tmp_path):
     hf_model, package = tiny_package("mistral", tmp_path / "pkg", KEY)
-    model = ElasticModel.load(package)
+    model = ElasticModel.load(package, allow_unsigned=True)
     model.set_level("0.5")
     ids = token_ids(256, length=12, batch=1)
     with torch.no_grad():
@@ -69,7 +69,7 @@ def test_sdk_kv_cache_decode_equals_full_forward(tmp_path):
 
 def test_sdk_switching_is_zero_copy(tmp_path):
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
-    model = ElasticModel.load(package, quantize="int8")
+    model = ElasticModel.load(package, quantize="int8", allow_unsigned=True)
     linears = [m for m in model.transformer.modules() if isinstance(m, ElasticLinear)]
     pointers = {id(m): m.storage.data_ptr() for m in linears}
     manifest = read_manifest(package)
@@ -123,7 +123,7 @@ def test_sdk_partial_copy_refuses_larger_levels(tmp_path):
 
     _, package = tiny_package("llama_mha", tmp_path / "pkg", KEY)
     atomic_write_bytes(package / LOCAL_STATE, canonical_json({"max_level": "0.5", "files": []}))
-    model = ElasticModel.load(package)
+    model = ElasticModel.load(package, allow_unsigned=True)
     assert model.available_levels() == ["0.25", "0.5"] and model.level == "0.5"
     with pytest.raises(PackageError, match="partial"):
         model.set_level(1.0)
@@ -150,8 +150,9 @@ def test_sdk_fp16_storage_runs_in_fp32(tmp_path):
     ids = token_ids(256)
     with torch.no_grad():
         expected = hf_model(ids).logits
-    for model in (ElasticModel.load(stored), ElasticModel.load(tiny_package("qwen2_bias", tmp_path / "fp32", KEY)[1],
-                                                               quantize="fp16")):
+    fp32 = tiny_package("qwen2_bias", tmp_path / "fp32", KEY)[1]
+    for model in (ElasticModel.load(stored, allow_unsigned=True),
+                  ElasticModel.load(fp32, quantize="fp16", allow_unsigned=True)):
         assert model.weight_format == "fp16"
         assert model.transformer.layers[0].mlp.up_proj.linear.storage.dtype == torch.float16
         logits = model.logits(ids)
@@ -194,7 +195,7 @@ def decode_both_ways(model, ids, prefill: int):
 @needs_native
 @pytest.mark.parametrize("weight_format", ["fp32", "fp16", "int8"])
 def test_sdk_native_decode_matches_reference(lora_package, weight_format):
-    model = ElasticModel.load(lora_package, quantize=weight_format)
+    model = ElasticModel.load(lora_package, quantize=weight_format, allow_unsigned=True)
     assert model.transformer.decoder is not None
     if "mistral" in str(lora_package):
         assert model.manifest.architecture.sliding_window == 5
@@ -222,7 +223,7 @@ def test_sdk_native_decode_matches_reference(lora_package, weight_format):
 @needs_native
 def test_sdk_native_decoder_reads_the_model_storage_in_place(tmp_path):
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
-    model = ElasticModel.load(package)
+    model = ElasticModel.load(package, allow_unsigned=True)
     ids = token_ids(256, length=10, batch=1)
     before, _ = decode_both_ways(model, ids, prefill=4)
     up = model.transformer.layers[1].mlp.up_proj.linear
@@ -238,7 +239,7 @@ def test_sdk_native_decoder_reads_the_model_storage_in_place(tmp_path):
 @pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 def test_sdk_decode_errors_are_clear(native, tmp_path):
     _, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
-    model = ElasticModel.load(package, native=native)
+    model = ElasticModel.load(package, native=native, allow_unsigned=True)
     assert (model.transformer.decoder is not None) == (native and kernels.native_module() is not None)
     transformer, ids = model.transformer, token_ids(256, length=4, batch=1)
     with torch.inference_mode():
@@ -256,7 +257,7 @@ def test_sdk_decode_errors_are_clear(native, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("weight_format", ["fp32", "int8"])
 def test_sdk_native_decode_matches_reference_smollm2(weight_format, smollm2_package):
-    model = ElasticModel.load(smollm2_package, quantize=weight_format)
+    model = ElasticModel.load(smollm2_package, quantize=weight_format, allow_unsigned=True)
     arch = model.manifest.architecture
     ids = token_ids(arch.vocab, length=24, batch=1)
     generator = torch.Generator().manual_seed(1)
@@ -277,7 +278,7 @@ def test_sdk_native_decode_is_the_same_at_any_thread_count(tmp_path):
     """Every output is summed by one thread in one order, so splitting the work changes no bit."""
     _, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
     add_recovery_adapters(package, KEY)
-    model = ElasticModel.load(package, quantize="int8")
+    model = ElasticModel.load(package, quantize="int8", allow_unsigned=True)
     model.set_level("0.75")
     ids = token_ids(256, length=10, batch=1)
     threads = torch.get_num_threads()
@@ -297,7 +298,7 @@ def test_sdk_without_a_compiler_decodes_on_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "_native_module", None)
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
     with pytest.warns(UserWarning, match="torch fallback"):
-        model = ElasticModel.load(package, quantize="int8")
+        model = ElasticModel.load(package, quantize="int8", allow_unsigned=True)
     assert model.transformer.decoder is None
     steps, reference = decode_both_ways(model, token_ids(256, length=8, batch=1), prefill=3)
     assert (steps - reference).abs().max().item() <= 1e-4

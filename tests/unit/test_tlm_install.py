@@ -17,7 +17,7 @@ def test_tlm_install_into_package_and_load_back(tmp_path):
     model, tokenizer = new_tlm(None, ["0.5", "1.0"], frozen_layers=3, max_length=64)
     save_tlm(model, tokenizer, tmp_path / "tlm")
     install_tlm(package, tmp_path / "tlm")
-    manifest = verify_package(package)
+    manifest = verify_package(package, allow_unsigned=True)
     assert manifest.tlm["levels"] == ["0.5", "1.0"] and manifest.tlm["frozen_layers"] == 3
     assert "[TTFT_0.2]" in manifest.tlm["special_tokens"] and manifest.tlm["slo_bins"]["tpot"][0] == 0.5
     assert any(entry.path == "tlm/tlm.safetensors" for entry in manifest.files)
