@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from api.progress import configure_logging, console, fail, progress_bars
 
@@ -145,7 +146,14 @@ def demo_spec(model_dir: Path) -> dict:
         "stages": {
             "profile": {"settings": {"windows": 16, "window_length": 128}},
             "elastify": {"settings": {"anchor_fraction": 0.2}},
-            "recover": {"settings": {"steps": 30, "batch_size": 4, "seq_len": 128, "eval_windows": 4, "lr": 5e-4}},
+            # The recovery corpus at demo size: 24 short answers (two shards, ~11 tokens/s a core) plus the
+            # packaged passages and PTB train.
+            "corpus-generate": {"settings": {"prompts": 24, "max_new_tokens": 48, "max_prompt_words": 96}},
+            # Distillation on that corpus, top-down: each level goes on from the next larger one's LoRA, so
+            # the levels run one after another, each on both cores and with fewer steps than cold starts need.
+            "recover": {"settings": {"steps": 12, "batch_size": 4, "seq_len": 128, "eval_windows": 4, "lr": 5e-4,
+                                     "warmup_steps": 2},
+                        "resources": {"num_cpus": 2}},
             "latency": {"settings": {"prompt_lengths": [32, 128], "repeats": 1}},
             "tlm-score": {"settings": {"passages": 32, "passage_words": 60, "steps": 60}},
             "label": {"settings": {"tasks": ["arc_easy", "sciq"], "per_task": 10, "ratios": [0.5, 0.7, 1.0]}},
@@ -242,6 +250,37 @@ def embedded_demo() -> None:
 
 
 def _stage_table(summary: dict) -> None:
+    local = store.local_path(prefix)
+    if local is not None:  # an S3 store: `elastify-device pull` it first
+        console.print(_level_table(level_continuations(Path(local), settings.public_key_b64())))
+
+
+DEMO_PROMPT = "The capital of France is"
+DEMO_LEVELS = ("1.0", "0.7", "0.5")
+
+
+def level_continuations(package_dir: Path, public_key: str, prompt: str = DEMO_PROMPT,
+                        levels: tuple[str, ...] = DEMO_LEVELS, max_new_tokens: int = 12) -> list[tuple[str, str, str]]:
+    """(level, active fraction, greedy continuation of `prompt`) on the published package, served by the
+    device SDK as a device would, so a newcomer sees what each level says before choosing one."""
+    from device_sdk.runtime import ElasticModel
+
+    model = ElasticModel.load(package_dir, public_key=public_key)
+    rows = []
+    for level in levels:
+        shape = model.manifest.elastic.level(level)
+        text = model.generate(prompt, max_new_tokens=max_new_tokens, level=shape.name).text
+        rows.append((shape.name, f"{shape.active_fraction:.2f}", text))
+    return rows
+
+
+def _level_table(rows: list[tuple[str, str, str]]) -> Table:
+    table = Table(title=f"greedy continuations of {DEMO_PROMPT!r}")
+    for column in ("level", "active params", "continuation"):
+        table.add_column(column, justify="left" if column == "continuation" else "right")
+    for level, fraction, text in rows:
+        table.add_row(level, fraction, Text(repr(text)))  # as text: a "[…]" the model writes is no markup
+    return table
     table = Table(title=f"build {summary['id']}: {summary['status']}")
     for column in ("stage", "status", "from cache", "attempts", "wall s", "cpu s"):
         table.add_column(column, justify="right")
