@@ -574,6 +574,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         "steps": len(losses),
         "train_tokens": sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in batches),
         "warm_start_from": str(init_adapter) if init_adapter is not None else None,
+        "corpus_dir": str(corpus_dir) if corpus_dir is not None else None,  # else settings.corpus / instructions
         "settings": settings.model_dump(mode="json"),
     }
 

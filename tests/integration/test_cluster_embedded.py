@@ -76,3 +76,61 @@ def test_a_stopped_scheduler_hands_its_stages_back_and_the_next_one_finishes(tmp
         second.close()
     assert summary["status"] == "succeeded"
     assert [(a["number"], a["exit"]) for a in summary["stages"][0]["attempts"]] == [(1, "interrupted"), (2, "ok")]
+
+
+def test_recovery_chains_top_down_on_the_generated_corpus_through_the_scheduler(tmp_path, ray_cluster, calib_text):
+    """corpus-generate × 2 → corpus → recover[0.75] → recover[0.5] (warm start from 0.75's adapter) →
+    recover-install → evaluate → publish, on a tiny model: the scheduler runs sibling edges in order."""
+    import json
+
+    from sqlalchemy import select
+
+    from cluster.models import Stage
+    from workers.store import ArtifactRef
+
+    model = save_tiny("llama_gqa", tmp_path / "tiny")
+    settings = Settings(home=tmp_path / "home", lease_seconds=5.0, poll_seconds=0.02)
+    # Short prompts (the tiny model has 256 byte positions), a few tokens each, generated text only.
+    corpus = {"prompts": 6, "max_new_tokens": 8, "sources": ["jeopardy", "ptb"], "max_prompt_words": 30,
+              "passages": [], "ptb_lines_per_text": 0, "heldout_fraction": 0.2, "eval_tasks": ["arc_easy"]}
+    spec = parse_spec({
+        "source": {"model": str(model)},
+        "calibration": [str(calib_text)],
+        "levels": [0.5, 0.75, 1.0],
+        "stages": {
+            "profile": {"settings": {"windows": 2, "window_length": 32}},
+            "elastify": {"settings": {"align": 8}},
+            "corpus-generate": {"settings": corpus},
+            "recover": {"settings": {"steps": 2, "batch_size": 2, "seq_len": 24, "eval_windows": 2, "rank": 2,
+                                     "eval_corpus": [str(calib_text)]}},
+            "evaluate": {"settings": {"corpora": [str(calib_text)], "windows": 2, "window_length": 32, "tasks": [],
+                                      "measure_latency": False}},
+            **{name: {"enabled": False} for name in ("latency", "tlm-score", "label", "label-derive", "tlm-decision")},
+        },
+        "publish": {"name": "tiny-chained", "version": "0.1.0"},
+    })
+    with running_service(settings, default_registry()) as scheduler:
+        build_id = submit_build(scheduler.sessions, spec, scheduler.registry)
+        scheduler.run_until_done([build_id], timeout=600)
+        summary = build_summary(scheduler.sessions, build_id)
+        with scheduler.sessions() as session:
+            times = {row.key: (row.started_at, row.finished_at)
+                     for row in session.scalars(select(Stage).where(Stage.build_id == build_id))}
+        store = scheduler.store
+    assert summary["status"] == "succeeded", summary
+    stages = {s["key"]: s for s in summary["stages"]}
+    assert {"corpus-generate[0]", "corpus-generate[1]", "corpus", "recover[0.75]", "recover[0.5]"} <= set(stages)
+    assert times["recover[0.75]"][1] <= times["recover[0.5]"][0]  # the sibling edge: larger level first
+    assert times["corpus"][1] <= times["recover[0.75]"][0]
+
+    def metrics(level: str) -> dict:
+        artifact = stages[f"recover[{level}]"]["artifacts"]["metrics"]
+        ref = ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"])
+        return json.loads(store.get_artifact(ref, tmp_path / f"metrics-{level}").read_text())
+
+    larger, smaller = metrics("0.75"), metrics("0.5")
+    assert larger["warm_start_from"] is None and smaller["warm_start_from"] is not None  # the largest starts cold
+    assert larger["corpus_dir"] and smaller["corpus_dir"] and smaller["settings"]["loss"] == "distill"
+    manifest = verify_package(settings.home / "store" / "packages" / "tiny-chained" / "0.1.0", settings.public_key_b64())
+    assert [level.adapter for level in manifest.elastic.levels] == [
+        "adapters/recovery/0.5.safetensors", "adapters/recovery/0.75.safetensors", None]

