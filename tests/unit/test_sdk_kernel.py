@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from device_sdk import kernels
-from device_sdk.kernels import WEIGHT_FORMATS, make_linear, native_linear, reference_linear
+from device_sdk import kernels
+from device_sdk.kernels import GEMM_ROWS, WEIGHT_FORMATS, make_linear, native_linear, reference_linear
 from device_sdk.runtime import ElasticModel
 
 needs_native = pytest.mark.skipif(kernels.native_module() is None, reason="no C++ compiler on this machine")
@@ -27,13 +28,33 @@ def test_sdk_native_kernel_matches_torch_at_every_width(weight_format, unit_axis
     pointer = layer.storage.data_ptr()
     for width in range(units + 1):
         layer.set_width(width)
-        for rows in (1, 2, 5, 17):  # decode GEMV and prefill GEMM shapes
+        for rows in (1, 2, 5, 15):  # decode's one row and the native kernel's small batches
             x = torch.randn(rows, layer.in_features, generator=generator)
             got, expected = native_linear(x, layer), reference_linear(x, layer)
             assert got.shape == (rows, layer.out_features)
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
         if width:  # an empty view has no address
             assert layer.active_weight.data_ptr() == pointer
+
+
+@needs_native
+@pytest.mark.parametrize("weight_format", WEIGHT_FORMATS)
+def test_sdk_many_rows_run_through_torch_gemm(weight_format, monkeypatch):
+    layer = make_linear(torch.randn(24, 40), None, unit_axis="out", unit_size=3, weight_format=weight_format)
+    layer.set_width(5)
+    rows = GEMM_ROWS[layer.storage.dtype]
+    few, many = torch.randn(rows - 1, 40), torch.randn(2, rows // 2 + 1, 40)
+    few_native = native_linear(few, layer)
+
+    class NoNative:  # the many-row path must not reach the native kernel at all
+        def elastic_linear(self, *args):
+            raise AssertionError("the native kernel ran on a many-row input")
+
+    monkeypatch.setattr(kernels, "native_module", lambda: NoNative())
+    torch.testing.assert_close(native_linear(many, layer), reference_linear(many, layer), rtol=0, atol=0)
+    with pytest.raises(AssertionError, match="native kernel ran"):
+        native_linear(few, layer)
+    torch.testing.assert_close(few_native, reference_linear(few, layer), rtol=1e-5, atol=1e-5)
 
 
 @needs_native
