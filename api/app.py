@@ -3,6 +3,7 @@
     /v1/builds…     submit (Idempotency-Key, quotas), list, show, cancel, retry, logs (SSE | text)
     /v1/packages…   list, versions, manifest, files (Range | presigned S3 URL), aliases
     /v1/usage       GPU- and CPU-hours from the ledger
+    /v1/sources     upload a model directory or data file, named in builds as upload:<digest>
     /v1/keys/signing, /healthz, /readyz, /metrics   (no token needed)
 
 Every other route needs `Authorization: Bearer <tenant token>` and sees only its tenant's objects
@@ -21,10 +22,11 @@ from fastapi.openapi.utils import get_openapi
 
 from api import dashboard, problems
 from api.metrics import job_store_registry
-from api.routes import EXAMPLES, builds, health, packages, usage
+from api.routes import EXAMPLES, builds, health, packages, sources, usage
 from cluster.db import make_engine, session_factory
 from cluster.registry import Registry
 from cluster.settings import Settings
+from cluster.sources import SourcePolicy
 from cluster.spec import spec_model
 from pipeline import chain
 
@@ -43,6 +45,7 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     app.state.sessions = session_factory(engine)
     app.state.store = settings.store.open()
     app.state.registry = registry or default_registry()
+    app.state.sources = SourcePolicy(settings.allowed_source_roots)
     app.state.metrics = job_store_registry(app.state.sessions)
     app.state.ready_checks = ready_checks if ready_checks is not None else {
         "database": health.database_check(app.state.sessions),
@@ -50,10 +53,11 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
         "ray": health.ray_check(settings.ray_address),
     }
     problems.install(app)
-    app.add_middleware(problems.BodyLimit, limit=max_body_bytes)
+    # POST /v1/sources streams its body to disk and applies ELASTIFY_MAX_UPLOAD_BYTES itself.
+    app.add_middleware(problems.BodyLimit, limit=max_body_bytes, streamed=("/v1/sources",))
     # Submit takes the registry's BuildSpec, so the OpenAPI document shows every stage's settings.
     app.include_router(builds.submit_router(spec_model(app.state.registry)))
-    for module in (builds, packages, usage, health, dashboard):
+    for module in (builds, packages, sources, usage, health, dashboard):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, max_body_bytes)
     return app

@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api.schemas import Problem
 from cluster.service import IdempotencyConflict, QuotaExceeded, StateConflict
+from cluster.sources import SourceRefused
 from cluster.spec import SpecError, validation_problems
 
 PROBLEM_JSON = "application/problem+json"
@@ -64,6 +65,11 @@ def install(app: FastAPI) -> None:
         return problem_response(request.url.path, 422, "the build spec is invalid", kind="invalid-spec",
                                 errors=err.problems)
 
+    @app.exception_handler(SourceRefused)  # before SpecError's handler in the lookup: the more specific class
+    async def _source(request: Request, err: SourceRefused):
+        return problem_response(request.url.path, 403, "the build reads files outside the allowed source roots",
+                                kind="source-refused", errors=err.problems)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, err: RequestValidationError):
         # A build spec's unknown stages and settings are described with what the registry allows.
@@ -95,13 +101,15 @@ def install(app: FastAPI) -> None:
 
 
 class BodyLimit:
-    """Refuse request bodies over `limit` bytes with 413, whether or not they declare a Content-Length."""
+    """Refuse request bodies over `limit` bytes with 413, whether or not they declare a Content-Length.
 
-    def __init__(self, app: ASGIApp, limit: int):
-        self.app, self.limit = app, limit
+    Routes under `streamed` prefixes (uploads) receive their body unbuffered and enforce their own limit."""
+
+    def __init__(self, app: ASGIApp, limit: int, streamed: tuple[str, ...] = ()):
+        self.app, self.limit, self.streamed = app, limit, streamed
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.streamed and scope["path"].rstrip("/") in self.streamed):
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")

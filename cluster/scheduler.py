@@ -35,6 +35,7 @@ from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, u
 from cluster.packages import register_package
 from cluster.registry import Registry
 from cluster.settings import Settings
+from cluster.sources import upload_digest, upload_ref
 from cluster.states import TERMINAL, Status, advance
 from cluster.sweeper import attempt_prefix, sweep_dead_outputs
 from device_sdk.format import canonical_json
@@ -276,9 +277,20 @@ class Scheduler:
 
     # ------------------------------------------------------------------ dispatch
 
-    def _inputs(self, session, stage: Stage) -> dict[str, ArtifactRef | ExternalInput]:
+    def _upload(self, session, tenant: str, value: str) -> ArtifactRef:
+        """The stored artifact of an `upload:<digest>` the build names (checked at submit; it may have been
+        deleted since, which fails the stage for good)."""
+        ref = upload_ref(session, tenant, value)
+        if ref is None:
+            raise FileNotFoundError(f"{value} is no upload of tenant {tenant} (deleted since the build was submitted?)")
+        return ref
+
+    def _inputs(self, session, stage: Stage, tenant: str) -> dict[str, ArtifactRef | ExternalInput]:
         inputs = {}
         for edge in stage.inputs:
+            if edge.external is not None and upload_digest(edge.external) is not None:
+                inputs[edge.name] = self._upload(session, tenant, edge.external)  # fetched and verified as an artifact
+                continue
             if edge.external is not None:
                 inputs[edge.name] = ExternalInput(edge.external)
                 continue
@@ -336,9 +348,11 @@ class Scheduler:
             build = session.get(Build, stage.build_id)
             registration = self.registry.get(stage.type)
             try:
-                inputs = self._inputs(session, stage)
+                inputs = self._inputs(session, stage, build.tenant_id)
                 # The same Settings the spec was validated into at submit, rebuilt from its stored JSON.
                 settings = registration.settings.model_validate(stage.settings)
+                uploads = {value: self._upload(session, build.tenant_id, value)
+                           for value in settings.named_paths() if upload_digest(value) is not None}
                 runtime = {name: self.runtime[name].provide(build) for name in registration.runtime}
                 if build.spec.get("cache", True):
                     stage.cache_key = self._cache_key(stage, registration, inputs, runtime, build.tenant_id)
@@ -377,7 +391,7 @@ class Scheduler:
             task = StageTask(
                 build_id=stage.build_id, stage_id=stage.id, stage_key=stage.key, attempt=number,
                 run=registration.run, inputs=inputs, outputs=registration.outputs,
-                settings=settings, store=self.settings.store,
+                settings=settings, store=self.settings.store, uploads=uploads,
                 output_prefix=attempt_prefix(stage.build_id, stage.key, number), runtime=runtime,
             )
             info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)

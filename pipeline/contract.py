@@ -32,10 +32,16 @@ SOURCE_PREFIX = "source."  # an input read from the spec's `source` (e.g. "sourc
 class NamesFiles:
     """Marks a setting (`Annotated[..., NAMES_FILES]`) whose value, or each entry of it, may be a path the
     stage reads (a corpus file, a model directory). The content of what it names joins the stage's
-    cache key, so rewriting the file is a cache miss, not a hit with the old output."""
+    cache key, so rewriting the file is a cache miss, not a hit with the old output; and the control
+    plane admits only paths under the deployment's source roots or the tenant's uploads
+    (cluster.sources). `corpus_names`: an entry may instead name a packaged corpus (`ptb:train`)."""
+
+    def __init__(self, corpus_names: bool = False):
+        self.corpus_names = corpus_names
 
 
 NAMES_FILES = NamesFiles()
+NAMES_CORPORA = NamesFiles(corpus_names=True)  # a corpus file, or a packaged corpus's name
 
 
 class StageSettings(BaseModel):
@@ -45,12 +51,38 @@ class StageSettings(BaseModel):
 
     def named_paths(self) -> list[str]:
         """The values of the settings marked NAMES_FILES, lists flattened; some may be corpus names, not paths."""
-        paths: list[str] = []
+        return [value for _, value, _ in self.named_path_fields()]
+
+    def named_path_fields(self) -> list[tuple[str, str, bool]]:
+        """(setting, value, may be a corpus name) per value of the settings marked NAMES_FILES (each list
+        entry on its own, named `setting.index`)."""
+        fields: list[tuple[str, str, bool]] = []
         for name, info in type(self).model_fields.items():
             value = getattr(self, name)
-            if value is not None and any(isinstance(meta, NamesFiles) for meta in info.metadata):
-                paths += [value] if isinstance(value, str) else list(value)
-        return paths
+            marks = [meta for meta in info.metadata if isinstance(meta, NamesFiles)]
+            if value is None or not marks:
+                continue
+            corpus = any(mark.corpus_names for mark in marks)
+            if isinstance(value, str):
+                fields.append((name, value, corpus))
+            else:
+                fields += [(f"{name}.{index}", entry, corpus) for index, entry in enumerate(value)]
+        return fields
+
+    def with_paths(self, replaced: Mapping[str, str]) -> StageSettings:
+        """A copy whose NAMES_FILES values found in `replaced` are swapped for their replacements (e.g. an
+        `upload:<digest>` for where the worker fetched it); the other settings unchanged."""
+        update = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value is None or not any(isinstance(meta, NamesFiles) for meta in info.metadata):
+                continue
+            if isinstance(value, str):
+                if value in replaced:
+                    update[name] = replaced[value]
+            elif any(entry in replaced for entry in value):
+                update[name] = [replaced.get(entry, entry) for entry in value]
+        return self.model_copy(update=update) if update else self
 
 
 @dataclass(frozen=True)

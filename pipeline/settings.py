@@ -15,7 +15,7 @@ from typing import Annotated, Literal, get_args
 from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, StrictFloat, model_validator
 
 from device_sdk.format import DEFAULT_LEVELS, parse_levels
-from pipeline.contract import NAMES_FILES, StageSettings
+from pipeline.contract import NAMES_CORPORA, NAMES_FILES, StageSettings
 
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
 DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
@@ -57,7 +57,13 @@ def _unique(items: list) -> list:
 Levels = Annotated[list[StrictFloat], Field(min_length=1), AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
-Corpora = Annotated[list[str], Field(min_length=1), NAMES_FILES]  # "name", "name:split" or a path (pipeline.calibration)
+Corpora = Annotated[list[str], Field(min_length=1), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)
+PACKAGED_CORPORA = ("lambada",)  # besides ptb:<split>: the corpus names pipeline.calibration.load_corpus knows
+
+
+def names_a_corpus(value: str) -> bool:
+    """Whether a corpus setting's entry names a packaged corpus (read from an installed package) rather than a file."""
+    return value in PACKAGED_CORPORA or value.startswith("ptb:")
 
 
 class ProfileSettings(StageSettings):
@@ -172,13 +178,29 @@ class DeriveSettings(StageSettings):
     slos: list[tuple[PositiveFloat, PositiveFloat]] | None = None
 
 
+GENERATION_PROMPT_COUNT = 32  # pipeline.evaluate.GENERATION_PROMPTS: the fixed everyday prompts of generation health
+
+
 class ReportCardSettings(StageSettings):
-    corpora: Annotated[list[str], NAMES_FILES] = Field(default_factory=lambda: ["ptb:test", "lambada"])
+    corpora: Annotated[list[str], NAMES_CORPORA] = Field(default_factory=lambda: ["ptb:test", "lambada"])
+    # Those of `corpora` in the recovery data's domain (the recovery corpus holds PTB-train text): their
+    # level ratios need a full model recovered the same way (pipeline.evaluate.in_domain_reference).
+    # The rest, and the corpus input's held-out generated slice, are out of domain.
+    in_domain: list[str] = Field(default_factory=lambda: ["ptb:test"])
     windows: PositiveInt = 8
     window_length: int = Field(default=128, ge=2)
-    tasks: list[str] = Field(default_factory=lambda: ["arc_easy", "sciq"])
+    tasks: list[str] = Field(default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
     items_start: int = Field(default=300, ge=0)  # held out: labelling uses the first items of each task
-    items: PositiveInt = 40
+    items: PositiveInt = 100  # per task: 4 tasks × 100 = 400 held-out items
+    # Generation health: greedy continuations of the first `generation_prompts` fixed prompts; 0: off.
+    generation_prompts: int = Field(default=GENERATION_PROMPT_COUNT, ge=0, le=GENERATION_PROMPT_COUNT)
+    generation_tokens: int = Field(default=64, ge=4)
+    # A level is usable when every out-of-domain perplexity is within `usable_ppl_ratio` × the full
+    # model's and its repeated-4-gram rate within `usable_repeat_ratio` × the full model's (or within
+    # `usable_repeat_floor`, so that a full model that never repeats does not make any repeat fatal).
+    usable_ppl_ratio: float = Field(default=3.0, ge=1.0)
+    usable_repeat_ratio: float = Field(default=2.0, ge=1.0)
+    usable_repeat_floor: float = Field(default=0.02, ge=0.0, le=1.0)
     prompt_tokens: PositiveInt = 128  # the prompt length latency is reported at
     measure_latency: bool = True
     ppl_noise: float = Field(default=0.02, ge=0.0)  # relative band on perplexity

@@ -44,6 +44,9 @@ class StageTask:
     store: StoreConfig
     output_prefix: str  # builds/<build>/<stage>/a<attempt>
     runtime: dict[str, str] = field(default_factory=dict)  # ctx.runtime: never cached or stored
+    # `upload:<digest>` values in the settings (calibration, corpora, …) -> their store artifacts; the
+    # worker fetches each and hands the stage its local path instead.
+    uploads: dict[str, ArtifactRef] = field(default_factory=dict)
 
 
 class _EventLogHandler(logging.Handler):
@@ -96,9 +99,11 @@ def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict
         with tempfile.TemporaryDirectory(prefix=f"elastify-{task.stage_key}-") as scratch:
             scratch = Path(scratch)
             inputs = _fetch(task, store, scratch)
+            local = {value: str(store.get_artifact(ref, scratch / "uploads" / ref.digest))
+                     for value, ref in task.uploads.items()}
             ctx = _context(task, scratch / "work", emit)
             ctx.work_dir.mkdir()
-            outputs = task.run(inputs, task.settings, ctx)
+            outputs = task.run(inputs, task.settings.with_paths(local), ctx)
             missing = set(task.outputs) - set(outputs or {})
             if missing:
                 raise ValueError(f"stage {task.stage_key} did not return outputs {sorted(missing)}")

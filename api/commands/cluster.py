@@ -64,13 +64,16 @@ def build_submit(
     from api.app import default_registry
     from cluster.service import submit_build
     from cluster.settings import Settings
+    from cluster.sources import SourcePolicy
     from cluster.spec import SpecError, parse_spec
 
     registry = default_registry()
+    settings = Settings.from_env()
     try:
-        build_id = submit_build(_sessions(Settings.from_env()), parse_spec(spec, registry), registry, tenant,
-                                idempotency_key)
-    except SpecError as err:
+        # The same source roots as the API: a tenant's build reads no file a tenant could not name there.
+        build_id = submit_build(_sessions(settings), parse_spec(spec, registry), registry, tenant,
+                                idempotency_key, sources=SourcePolicy(settings.allowed_source_roots))
+    except SpecError as err:  # SourceRefused included
         fail(str(err))
         return
     print(build_id)  # stdout, for scripts
@@ -247,9 +250,6 @@ def embedded_demo() -> None:
     console.print(f"package {spec.publish.name} {spec.publish.version}: {where}")
     console.print(f"verify with public key {settings.public_key_b64()}")
     console.print(f"build {build_id} took {time.perf_counter() - started:.1f} s ({summary['cache_hits']} stages from cache)")
-
-
-def _stage_table(summary: dict) -> None:
     local = store.local_path(prefix)
     if local is not None:  # an S3 store: `elastify-device pull` it first
         console.print(_level_table(level_continuations(Path(local), settings.public_key_b64())))
@@ -281,6 +281,9 @@ def _level_table(rows: list[tuple[str, str, str]]) -> Table:
     for level, fraction, text in rows:
         table.add_row(level, fraction, Text(repr(text)))  # as text: a "[…]" the model writes is no markup
     return table
+
+
+def _stage_table(summary: dict) -> None:
     table = Table(title=f"build {summary['id']}: {summary['status']}")
     for column in ("stage", "status", "from cache", "attempts", "wall s", "cpu s"):
         table.add_column(column, justify="right")

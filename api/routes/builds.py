@@ -63,10 +63,12 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
         idempotency_key: Annotated[str | None, Header(min_length=1, max_length=128, pattern=r"^[\x21-\x7e]+$")] = None,
     ) -> dict:
         """Queue a build. With `Idempotency-Key`, the same key and spec return the first build (200) and the
-        same key with another spec is a 409. A quota that refuses answers 429 and queues nothing."""
+        same key with another spec is a 409. A quota that refuses answers 429 and queues nothing. Every file
+        the build reads is an `upload:<digest>` of the caller (POST /v1/sources) or a path under the server's
+        source roots: a path outside them is a 403 naming the field."""
         capacity = current_capacity(request.app.state.settings.max_task_resources)
         submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key,
-                            capacity=capacity)
+                            capacity=capacity, sources=request.app.state.sources)
         if not submission.created:
             response.status_code = 200
         response.headers["Location"] = f"/v1/builds/{submission.build_id}"
@@ -77,7 +79,7 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
     submit_routes.post(
         "", status_code=201, response_model=BuildOut,
         responses={200: {"model": BuildOut, "description": "a replay: the build first submitted with this Idempotency-Key"},
-                   **problems(409, 415, 422, 429)},
+                   **problems(403, 409, 415, 422, 429)},
         openapi_extra={"requestBody": {"content": {"application/json": {"example": SPEC_EXAMPLE}}}},
     )(submit_build)
     return submit_routes

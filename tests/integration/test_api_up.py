@@ -3,9 +3,11 @@ token from `elastify tokens create` submits a build that the scheduler in the sa
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
+import tarfile
 import time
 
 import httpx
@@ -20,7 +22,8 @@ pytestmark = pytest.mark.integration
 
 def test_elastify_up_serves_the_api_and_runs_what_it_accepts(tmp_path, cluster_env, calib_text):
     model = save_tiny("llama_gqa", tmp_path / "tiny")
-    env = {**cluster_env, "ELASTIFY_HOME": str(tmp_path / "home")}
+    # The calibration text is read from a source root; the model is uploaded, as a remote user would.
+    env = {**cluster_env, "ELASTIFY_HOME": str(tmp_path / "home"), "ELASTIFY_SOURCE_ROOTS": str(calib_text.parent)}
     elastify = str(services.VENV_BIN / "elastify")
     port = services.free_port()
     log = tmp_path / "up.log"
@@ -36,8 +39,18 @@ def test_elastify_up_serves_the_api_and_runs_what_it_accepts(tmp_path, cluster_e
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             ready = client.get("/readyz").json()
             assert ready["status"] == "ready" and all(c["ok"] for c in ready["checks"].values()), ready
+            archive = io.BytesIO()
+            with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+                tar.add(model, arcname="tiny")
+            uploaded = client.post("/v1/sources", content=archive.getvalue(),
+                                   headers={**auth, "Content-Type": "application/gzip"})
+            assert uploaded.status_code == 201, uploaded.text
+            refused = client.post("/v1/builds", headers=auth, json={
+                "source": {"model": uploaded.json()["source"]}, "calibration": ["/etc/passwd"],
+                "publish": {"name": "tiny-up", "version": "1"}})
+            assert refused.status_code == 403 and refused.json()["errors"][0]["field"] == "calibration.0"
             spec = {
-                "source": {"model": str(model)}, "calibration": [str(calib_text)], "levels": [1.0],
+                "source": {"model": uploaded.json()["source"]}, "calibration": [str(calib_text)], "levels": [1.0],
                 "stages": {"profile": {"settings": {"windows": 1, "window_length": 16, "layer_method": "block_influence"}},
                            "elastify": {"settings": {"align": 8}}, "evaluate": {"enabled": False}},
                 "publish": {"name": "tiny-up", "version": "1"},
@@ -75,7 +88,8 @@ def test_elastify_serve_runs_the_api_alone_in_several_workers(tmp_path, postgres
         token = subprocess.run([elastify, "tokens", "create", "--tenant", "acme"], env=env, capture_output=True,
                                text=True, check=True).stdout.strip()
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            ids = {client.post("/v1/builds", json={"source": {"model": "m"}, "publish": {"name": "p", "version": str(i)}},
+            model = str(tmp_path / "home" / "models" / "m")  # under the default source roots
+            ids = {client.post("/v1/builds", json={"source": {"model": model}, "publish": {"name": "p", "version": str(i)}},
                                headers={"Authorization": f"Bearer {token}"}).json()["id"] for i in range(6)}
             listed = client.get("/v1/builds", headers={"Authorization": f"Bearer {token}"}).json()["items"]
             assert {b["id"] for b in listed} == ids and len(ids) == 6

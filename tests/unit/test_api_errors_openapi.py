@@ -230,7 +230,8 @@ def test_submit_checks_every_stage_setting_and_names_every_bad_field_before_writ
     with api.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Build)) == 0
 
-    good = spec(levels=[0.5, 1.0], stages={"elastify": {"settings": {"align": 16}}})
+    model = api.settings.home / "models" / "m"  # under the embedded default's source roots
+    good = spec(levels=[0.5, 1.0], stages={"elastify": {"settings": {"align": 16}}}, source={"model": str(model)})
     created = client.post("/v1/builds", json=good, headers=headers)
     assert created.status_code == 201, created.text
     assert created.json()["spec"]["stages"] == {"elastify": {"enabled": True, "settings": {"align": 16},
