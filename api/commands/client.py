@@ -40,6 +40,7 @@ AsJSON = Annotated[bool, typer.Option("--json", help="print the server's JSON in
 builds_app = typer.Typer(no_args_is_help=True, help="List, inspect, cancel and retry builds.")
 packages_app = typer.Typer(no_args_is_help=True, help="List, inspect and pull packages.")
 aliases_app = typer.Typer(no_args_is_help=True, help="Move package aliases.")
+sources_app = typer.Typer(no_args_is_help=True, help="Upload models and data that builds name as upload:<digest>.")
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -363,6 +364,59 @@ def usage(
                  numeric=tuple(measures))
 
 
+# --------------------------------------------------------------------------- sources
+
+
+def _upload_body(path: Path) -> tuple[bytes, str, dict | None]:
+    """(body, Content-Type, query) of POST /v1/sources: a directory as tar.gz (links followed, so an HF cache
+    snapshot of symlinks sends its files), a file as itself with its name (the suffix tells .gguf from .jsonl)."""
+    import io
+    import tarfile
+
+    if path.is_dir():
+        buffer = io.BytesIO()
+        with tarfile.open(fileobj=buffer, mode="w:gz", dereference=True) as archive:
+            archive.add(path, arcname=path.name)
+        return buffer.getvalue(), "application/gzip", None
+    if path.is_file():
+        return path.read_bytes(), "application/octet-stream", {"name": path.name}
+    fail(f"{path} is neither a file nor a directory")
+    raise AssertionError  # fail() exits
+
+
+@sources_app.command("upload")
+def sources_upload(
+    path: Annotated[Path, typer.Argument(help="a model directory (sent as tar.gz) or one file (.gguf, .jsonl, .txt)")],
+    as_json: AsJSON = False, server: Server = "", token: Token = None,
+) -> None:
+    """Upload a source; prints `upload:<digest>` on stdout, to name as source.model, calibration, a corpus, …"""
+    body, media, query = _upload_body(path)
+    with connected(server, token) as client:
+        with client.request("POST", "/v1/sources", params=query, body=body, timeout=3600,
+                            headers={"Content-Type": media, "Accept": "application/json"}) as response:
+            upload = json.loads(response.read())
+    if as_json:
+        _print_json(upload)
+        return
+    console.print(f"{upload['kind']} {escape(upload['name'])}: {upload['size']} bytes")
+    print(upload["source"])  # stdout, for scripts
+
+
+@sources_app.command("list")
+def sources_list(as_json: AsJSON = False, server: Server = "", token: Token = None) -> None:
+    """Your uploads, the bytes they hold and your quota."""
+    with connected(server, token) as client:
+        with client.request("GET", "/v1/sources", headers={"Accept": "application/json"}) as response:
+            listed = json.loads(response.read())
+    if as_json:
+        _print_json(listed)
+        return
+    _print_table(f"uploads: {listed['total_bytes']} of {listed['quota_bytes']} bytes",
+                 ["source", "kind", "name", "bytes", "created"],
+                 [[u["source"], u["kind"], u["name"], str(u["size"]), str(u["created_at"])] for u in listed["items"]],
+                 numeric=("bytes",))
+
+
 def mount(app: typer.Typer) -> None:
     """Add the REST client commands to the `elastify` CLI."""
     app.command("submit")(submit)
@@ -370,4 +424,5 @@ def mount(app: typer.Typer) -> None:
     app.command("logs")(logs)
     app.add_typer(packages_app, name="packages")
     app.add_typer(aliases_app, name="aliases")
+    app.add_typer(sources_app, name="sources")
     app.command("usage")(usage)

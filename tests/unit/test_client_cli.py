@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import threading
 import time
 from pathlib import Path
@@ -184,3 +185,24 @@ def test_cli_bad_input_and_bad_tokens_are_clear_errors(cli, api, tmp_path, monke
     monkeypatch.setenv("ELASTIFY_SERVER", "http://127.0.0.1:9")
     down = cli("builds", "list")
     assert down.exit_code == 1 and "server unreachable" in down.output
+
+
+def test_cli_uploads_a_model_directory_and_a_file_and_lists_them(cli, api, tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "blob").write_bytes(b"\x00" * 100)
+    (model / "weights.safetensors").symlink_to(tmp_path / "blob")  # as in an HF cache snapshot: followed
+    uploaded = cli("sources", "upload", str(model))
+    assert uploaded.exit_code == 0, uploaded.output
+    source = uploaded.stdout.strip()
+    assert source.startswith("upload:") and len(source) == len("upload:") + 64
+    stored = api.api.store.list(f"sources/acme/{source.removeprefix('upload:')}")
+    assert sorted(key.rsplit("/", 1)[-1] for key in stored) == ["config.json", "index.json", "weights.safetensors"]
+    calibration = tmp_path / "calib.jsonl"
+    calibration.write_text('{"text": "hello"}\n')
+    assert cli("sources", "upload", str(calibration)).exit_code == 0
+    listed = cli("sources", "list", "--json")
+    assert listed.exit_code == 0 and {"dir", "file"} <= {u["kind"] for u in json.loads(listed.stdout)["items"]}
+    missing = cli("sources", "upload", str(tmp_path / "nothing"))
+    assert missing.exit_code == 2 and "neither a file nor a directory" in missing.output
