@@ -392,6 +392,8 @@ class Scheduler:
                 build_id=stage.build_id, stage_id=stage.id, stage_key=stage.key, attempt=number,
                 run=registration.run, inputs=inputs, outputs=registration.outputs,
                 settings=settings, store=self.settings.store, uploads=uploads,
+                # Configured roots only: the embedded default trusts its own (demo, tests) submissions.
+                source_roots=tuple(map(str, self.settings.allowed_source_roots)) if self.settings.source_roots else (),
                 output_prefix=attempt_prefix(stage.build_id, stage.key, number), runtime=runtime,
             )
             info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)

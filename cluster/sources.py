@@ -18,9 +18,7 @@ malformed or names no upload of the caller, 403 when it is a path outside the ro
 
 from __future__ import annotations
 
-import os
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +27,7 @@ from sqlalchemy.orm import Session
 from cluster.models import Upload
 from cluster.spec import BuildSpec, SpecError
 from pipeline.settings import names_a_corpus
+from workers.runner import under_roots
 from workers.store import ArtifactRef
 
 UPLOAD_SCHEME = "upload:"
@@ -57,18 +56,11 @@ def upload_ref(session: Session, tenant: str, value: str) -> ArtifactRef | None:
     return None if row is None else ArtifactRef(upload_key(tenant, digest), digest, row.size)
 
 
-def _inside(path: str, roots: Iterable[str]) -> bool:
-    return any(path == root or path.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
-
-
 @dataclass(frozen=True)
 class SourcePolicy:
     """The deployment's source roots; `check` applies them (and the tenant's uploads) to a planned build."""
 
     roots: tuple[Path, ...]
-
-    def _real_roots(self) -> list[str]:
-        return [os.path.realpath(root) for root in self.roots]
 
     def problem(self, session: Session, tenant: str, value: str, corpus: bool) -> tuple[str, bool] | None:
         """(what is wrong, whether it is a refusal (403) rather than malformed (422)), or None if allowed."""
@@ -86,15 +78,14 @@ class SourcePolicy:
                     + (" nor a packaged corpus (ptb:<split>, lambada)" if corpus else "")), False
         if ".." in path.parts:
             return f"{value!r} may not contain '..'", False
-        roots = self._real_roots()
-        if not _inside(os.path.realpath(path), roots):
+        if not under_roots(path, self.roots):
             return (f"{value!r} is outside the allowed source roots "
                     f"({', '.join(map(str, self.roots)) or 'none configured'}); upload it with POST /v1/sources"), True
         if path.is_dir():
             for count, entry in enumerate(path.rglob("*")):
                 if count >= MAX_WALK:
                     return f"{value!r} holds more than {MAX_WALK} entries", False
-                if entry.is_symlink() and not _inside(os.path.realpath(entry), roots):
+                if entry.is_symlink() and not under_roots(entry, self.roots):
                     return f"{value!r} holds a symlink leading outside the allowed source roots: {entry}", True
         return None
 

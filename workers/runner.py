@@ -8,6 +8,7 @@ an exception for a stage-level failure, so that time spent on failed attempts is
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,8 +21,19 @@ from pipeline.stage import StageContext
 from workers.store import ArtifactRef, StoreConfig, StoreError
 
 # Errors that retrying cannot fix: bad settings, a missing or unsupported model, tampered data.
-PERMANENT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError, ImportError)
+PERMANENT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError, ImportError,
+                    PermissionError)
 PROGRESS_EVERY_S = 1.0
+
+
+def under_roots(path: str | Path, roots) -> bool:
+    """Whether `path`, every symlink resolved, lies inside one of `roots` (directories, also resolved)."""
+    real = os.path.realpath(path)
+    for root in roots:
+        root = os.path.realpath(root)
+        if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,9 @@ class StageTask:
     # `upload:<digest>` values in the settings (calibration, corpora, …) -> their store artifacts; the
     # worker fetches each and hands the stage its local path instead.
     uploads: dict[str, ArtifactRef] = field(default_factory=dict)
+    # The deployment's source roots, when it configured them: every path the stage is handed is checked
+    # again here, as the worker resolves it, so a symlink changed after submit cannot lead out.
+    source_roots: tuple[str, ...] = ()
 
 
 class _EventLogHandler(logging.Handler):
@@ -81,12 +96,28 @@ def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:
     for name, ref in task.inputs.items():
         if isinstance(ref, ExternalInput):
             path = Path(ref.path).expanduser()
+            if task.source_roots and not under_roots(path, task.source_roots):
+                raise PermissionError(f"input {name!r}: {ref.path} resolves outside the allowed source roots")
             if not path.exists():
                 raise FileNotFoundError(f"input {name!r}: {ref.path} does not exist")
             inputs[name] = path
         else:
             inputs[name] = store.get_artifact(ref, scratch / "inputs" / name)
     return inputs
+
+
+def _check_setting_paths(task: StageTask) -> None:
+    """With source roots, the files the settings name must resolve inside them too (uploads and packaged
+    corpus names are no paths; the path checks at submit are in cluster.sources)."""
+    if not task.source_roots:
+        return
+    from pipeline.settings import names_a_corpus
+
+    for setting, value, corpus in task.settings.named_path_fields():
+        if value in task.uploads or (corpus and names_a_corpus(value)):
+            continue
+        if not under_roots(Path(value).expanduser(), task.source_roots):
+            raise PermissionError(f"setting {setting}: {value} resolves outside the allowed source roots")
 
 
 def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict[str, Any]:
@@ -98,6 +129,7 @@ def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict
         store = task.store.open()
         with tempfile.TemporaryDirectory(prefix=f"elastify-{task.stage_key}-") as scratch:
             scratch = Path(scratch)
+            _check_setting_paths(task)
             inputs = _fetch(task, store, scratch)
             local = {value: str(store.get_artifact(ref, scratch / "uploads" / ref.digest))
                      for value, ref in task.uploads.items()}

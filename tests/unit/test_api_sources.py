@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from api.app import default_registry
 from pipeline.settings import ProfileSettings
 from tests.api_support import make_api
-from workers.runner import StageTask, execute
+from workers.runner import ExternalInput, StageTask, execute
 from workers.store import StoreConfig
 
 
@@ -232,3 +232,19 @@ def test_the_scheduler_hands_an_uploaded_model_to_the_worker_as_a_verified_artif
                 scheduler._inputs(session, profile, "beta")
     finally:
         scheduler.engine.dispose()
+
+
+def test_with_configured_roots_the_worker_checks_every_path_again_as_it_resolves_it(tmp_path, roots):
+    store = StoreConfig(str(tmp_path / "store"))
+    (roots / "later").symlink_to("/etc")  # a link made (or changed) after the build was admitted
+    common = dict(build_id="b", stage_id=1, stage_key="profile", attempt=1, run=_read_calibration,
+                  outputs=("out",), store=store, output_prefix="builds/b/profile/a1", source_roots=(str(roots),))
+    model = execute(StageTask(inputs={"model": ExternalInput(str(roots / "later"))},
+                              settings=ProfileSettings(calibration=[str(roots / "calib.txt"), "ptb:train"]), **common))
+    assert not model["ok"] and not model["retryable"] and "outside the allowed source roots" in model["error"]
+    setting = execute(StageTask(inputs={}, settings=ProfileSettings(calibration=[str(roots / "later" / "passwd"),
+                                                                                 "ptb:train"]), **common))
+    assert not setting["ok"] and "setting calibration.0" in setting["error"]
+    fine = execute(StageTask(inputs={"model": ExternalInput(str(roots / "tiny"))},
+                             settings=ProfileSettings(calibration=[str(roots / "calib.txt"), "ptb:train"]), **common))
+    assert fine["ok"], fine
