@@ -165,6 +165,10 @@ class LevelShape:
     active_fraction: float  # active_params / the full model's active_params
     adapter: str | None = None  # adapters/recovery/<name>.safetensors once recovery ran
     quality: dict[str, float] = field(default_factory=dict)
+    # The report card's verdict (pipeline.evaluate): False when its quality is below the build's
+    # thresholds, so the SLO decision never picks it (a forced level still may). Packages from
+    # before the verdict existed read as usable.
+    usable: bool = True
 
     @property
     def level(self) -> Level:
@@ -280,6 +284,8 @@ class Manifest:
                 raise PackageError(f"elastic.levels: {bad}") from None
             if level.name != value.name:
                 raise PackageError(f"level name {level.name!r} is not the canonical name {value.name!r} of its ratio")
+            if not isinstance(level.usable, bool):
+                raise PackageError(f"level {level.name}: usable must be true or false, not {level.usable!r}")
             if below is not None and value == below.level:
                 raise PackageError(f"two levels are both level {value.name}")
             if below is not None and not below.level < value:

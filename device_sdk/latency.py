@@ -3,7 +3,8 @@
 A profile holds, per level, TTFT as a line in the prompt length (`base + per_token · n`)
 and TPOT, measured on this device for one weight format; `elastify-device profile` writes
 it beside the package. `choose_level` is the decision until the package carries a TLM: the
-largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort).
+largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort); either
+way only among the levels the package marks usable (`usable_levels`).
 A TLM replaces it by assigning a callable with the same signature to `ElasticModel.decide`.
 """
 
@@ -119,10 +120,20 @@ class Decision:
     feasible: bool = True
 
 
+def usable_levels(levels: list[LevelShape]) -> list[LevelShape]:
+    """The levels an SLO decision may pick: those the package's report card marked usable.
+
+    A partial copy may hold none of them (every held level is below the usable ones); then its
+    largest held level, the best quality it has.
+    """
+    usable = [shape for shape in levels if shape.usable]
+    return usable or [max(levels, key=lambda shape: shape.level)]
+
+
 def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
-    """The largest level predicted to meet both targets; the smallest when none is."""
+    """The largest usable level predicted to meet both targets; the smallest usable one when none is."""
     target = slo.absolute(profile, prompt_tokens)
-    ordered = sorted(levels, key=lambda shape: shape.level)
+    ordered = sorted(usable_levels(levels), key=lambda shape: shape.level)
     for level in reversed(ordered):
         ttft = profile.ttft_ms(level.name, prompt_tokens)
         tpot = profile.tpot_ms(level.name)

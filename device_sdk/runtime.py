@@ -12,6 +12,7 @@ swap the level's LoRA (all adapters are read at load), so switching is O(layers)
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -43,6 +44,15 @@ from device_sdk.tlm import TLM, tlm_decider
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 1}  # bytes per stored weight, by weight format
 FORCE_TOKENS = ("?",)  # compression never drops a question mark (the labelling stage's default too)
+
+log = logging.getLogger(__name__)
+
+
+def _quality_summary(shape: LevelShape) -> str:
+    """The report card's verdict inputs, for a warning: `ppl_ratio:lambada 4.2, repeat_4gram_rate 0.61`."""
+    shown = [f"{key} {value:g}" for key, value in sorted(shape.quality.items())
+             if key.startswith(("ppl_ratio:", "repeat_4gram"))]
+    return ", ".join(shown) or "no quality recorded"
 
 
 def map_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -297,7 +307,11 @@ class ElasticModel:
             raise ValueError("the prompt encodes to no tokens")
         levels = [self.manifest.elastic.level(name) for name in self.available_levels()]
         if level is not None:
-            decision = Decision(self.manifest.elastic.level(level).name)
+            forced = self.manifest.elastic.level(level)
+            if not forced.usable:
+                log.warning("level %s is marked unusable by the package's report card (%s); generating at it "
+                            "because it was asked for", forced.name, _quality_summary(forced))
+            decision = Decision(forced.name)
         elif slo is not None:
             decision = self.decide(prompt, len(ids), slo, self.latency_profile, levels)
         else:

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from device_sdk.encoder import Encoder, load_tokenizer
 from device_sdk.format import Level, LevelShape
-from device_sdk.latency import SLO, Decision, LatencyProfile, feasible
+from device_sdk.latency import SLO, Decision, LatencyProfile, feasible, usable_levels
 
 WORD = re.compile(r"\S+")
 CONFIG_FILE = "tlm_config.json"
@@ -206,7 +206,8 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     """A level decision with `choose_level`'s signature that asks the TLM, judged by this device's profile.
 
     Absolute SLOs become fractions of the full model's predicted latency for this prompt. Only
-    levels this copy holds, and pairs the profile predicts to meet the SLO, are eligible.
+    levels this copy holds and the package marks usable, and pairs the profile predicts to meet the
+    SLO, are eligible.
     """
 
     def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
@@ -214,7 +215,7 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
         full = profile.largest_level()
         ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
         tpot_fraction = 1.0 if target.tpot_ms is None else target.tpot_ms / profile.tpot_ms(full)
-        held = {level.name for level in levels}
+        held = {level.name for level in usable_levels(levels)}  # what the decision and its fallback may pick
         ratio, level, met = tlm.decide(
             prompt, ttft_fraction, tpot_fraction,
             lambda r, m: m in held and feasible(profile, m, r, prompt_tokens, target),

@@ -236,8 +236,12 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="evaluate", run=run_evaluate, settings=ReportCardSettings,
-        inputs={"package": PACKAGE, "latency": "latency.latency"}, optional_inputs=frozenset({"latency"}),
-        outputs=("report_card",), resources=MODEL_STAGE,
+        # corpus: its held-out generated slice is out-of-domain text; recovery: how each level was
+        # recovered, which says whether the full model is a like-with-like in-domain reference.
+        inputs={"package": PACKAGE, "latency": "latency.latency", "corpus": "corpus.corpus",
+                "recovery": "recover.metrics"},
+        optional_inputs=frozenset({"latency", "corpus", "recovery"}),
+        outputs=("report_card", "quality_plot"), resources=MODEL_STAGE,
     ),
     # CLONE (issue 7), off by default: `stages.clone-collect.enabled: true` with `settings.budgets`, then
     # clone-search; `stages.experts.enabled: true` for the LoRA-MoE experts. Widths need no recovery
@@ -274,10 +278,10 @@ STAGES: tuple[Stage, ...] = (
     ),
     Stage(
         name="publish", run=run_publish,
-        inputs={"package": PACKAGE, "report": "evaluate.report_card", "latency": "latency.latency",
-                "tlm": ("tlm-decision.tlm", "tlm-score.tlm"), "profiles": "clone-search.profiles",
-                "experts": "experts.experts"},
-        optional_inputs=frozenset({"report", "latency", "tlm", "profiles", "experts"}),
+        inputs={"package": PACKAGE, "report": "evaluate.report_card", "quality_plot": "evaluate.quality_plot",
+                "latency": "latency.latency", "tlm": ("tlm-decision.tlm", "tlm-score.tlm"),
+                "profiles": "clone-search.profiles", "experts": "experts.experts"},
+        optional_inputs=frozenset({"report", "quality_plot", "latency", "tlm", "profiles", "experts"}),
         outputs=("package",), resources=Resources(num_cpus=1), runtime=("signing_key",), max_attempts=3,
         publishes="package",
     ),

@@ -16,7 +16,7 @@ from pathlib import Path
 from device_sdk.format import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
 from pipeline.clone_search import install_profiles
 from pipeline.contract import StageSettings
-from pipeline.evaluate import apply_quality
+from pipeline.evaluate import apply_quality, install_quality_plot
 from pipeline.experts import install_experts
 from pipeline.latency import apply_latency
 from pipeline.stage import StageContext
@@ -30,6 +30,7 @@ def _json_installer(apply: Callable[[Path, dict], None]) -> Callable[[Path, Path
 # Publish input name -> how it goes into a package directory (before signing), in this order.
 INSTALLERS: dict[str, Callable[[Path, Path], None]] = {
     "report": _json_installer(apply_quality),
+    "quality_plot": install_quality_plot,
     "latency": _json_installer(apply_latency),
     "tlm": install_tlm,
     "profiles": install_profiles,

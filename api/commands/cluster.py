@@ -161,7 +161,9 @@ def demo_spec(model_dir: Path) -> dict:
             "tlm-score": {"settings": {"passages": 32, "passage_words": 60, "steps": 60}},
             "label": {"settings": {"tasks": ["arc_easy", "sciq"], "per_task": 10, "ratios": [0.5, 0.7, 1.0]}},
             "tlm-decision": {"settings": {"steps": 100}},
-            "evaluate": {"settings": {"windows": 8, "items": 20}},
+            # The report card at demo size: 2 tasks × 20 held-out items, generation health on 8 prompts × 32 tokens.
+            "evaluate": {"settings": {"windows": 8, "tasks": ["arc_easy", "sciq"], "items": 20,
+                                      "generation_prompts": 8, "generation_tokens": 32}},
         },
         "publish": {"name": "smollm2-135m-elastic", "version": f"0.1.0-{code}", "aliases": ["latest"]},
     }

@@ -71,8 +71,15 @@ def test_builtin_dag_is_the_elastilm_chain_and_checks_stage_settings():
     assert by_key["label-derive"].inputs["meta.1"] == UpstreamInput("label[1]", "meta")
     assert by_key["publish"].inputs == {"package": UpstreamInput("recover-install", "package"),
                                         "report": UpstreamInput("evaluate", "report_card"),
+                                        "quality_plot": UpstreamInput("evaluate", "quality_plot"),
                                         "latency": UpstreamInput("latency", "latency"),
                                         "tlm": UpstreamInput("tlm-decision", "tlm")}
+    # The report card reads the corpus's held-out slice and how each level was recovered.
+    assert by_key["evaluate"].inputs == {"package": UpstreamInput("recover-install", "package"),
+                                         "latency": UpstreamInput("latency", "latency"),
+                                         "corpus": UpstreamInput("corpus", "corpus"),
+                                         "recovery.0.5": UpstreamInput("recover[0.5]", "metrics"),
+                                         "recovery.0.7": UpstreamInput("recover[0.7]", "metrics")}
     assert by_key["elastify"].settings.name == "pkg" and by_key["elastify"].resources["num_cpus"] == 2
     assert by_key["elastify"].settings.levels == [0.5, 0.7, 1.0]
 
@@ -83,13 +90,14 @@ def test_switching_off_elastilm_stages_falls_back_to_the_alternative_inputs():
     assert [n.key for n in nodes] == ["profile", "elastify", "evaluate", "publish"]
     publish = {n.key: n for n in nodes}["publish"]
     assert publish.inputs == {"package": UpstreamInput("elastify", "package"),
-                              "report": UpstreamInput("evaluate", "report_card")}
+                              "report": UpstreamInput("evaluate", "report_card"),
+                              "quality_plot": UpstreamInput("evaluate", "quality_plot")}
 
     no_decision = plan(parse_spec({**BASE, "stages": {"tlm-decision": {"enabled": False}}}), default_registry())
     assert {n.key: n for n in no_decision}["publish"].inputs["tlm"] == UpstreamInput("tlm-score", "tlm")
 
     without_eval = plan(parse_spec({**BASE, "stages": {**off, "evaluate": {"enabled": False}}}), default_registry())
-    assert "report" not in {n.key: n for n in without_eval}["publish"].inputs  # optional input dropped
+    assert not {"report", "quality_plot"} & set({n.key: n for n in without_eval}["publish"].inputs)  # optional inputs dropped
 
 
 def test_builtin_dag_reports_every_bad_setting_and_missing_dependency():

@@ -1,0 +1,139 @@
+"""Recovery throughput on a GPU, and what it means for a 7B model.
+
+Runs the recover stage's own training path on CUDA (pipeline.recover: ElasticCausalLM loaded onto
+the GPU, LevelViews, add_lora, make_loss, train_torch with its bf16 autocast), distilling one
+level of a SmolLM2 package on PTB train, and times `--steps` steps after `--warmup` untimed ones
+(torch.cuda.synchronize around the timed loop). Reported: trained tokens/s and the FLOP rate that
+implies, then the GPU-hours the same rate gives a 7B model's recovery.
+
+FLOPs per trained token, linear layers only (attention scores add ~1% at 256 tokens for 7B):
+  distill: teacher forward 2·N_full + student forward and backward 4·N_level
+  lm:      student forward and backward 4·N_level
+where N is a level's active parameters (the manifest's `active_params`; the 7B level keeps the measured
+level's active fraction, which overstates it: the LM head is a larger share of a small model). The backward pass costs
+2·N, not 4·N: the base weights are frozen, so only activation gradients flow through them (the
+LoRA's own weight gradients are negligible). The 7B figure assumes the same FLOP rate, which a 7B
+model, with larger matrices, reaches or beats on the same GPU: the estimate errs long.
+
+  bench/gpu_recovery.sh                                   # on a CUDA machine
+  .venv/bin/python bench/bench_gpu_recovery.py --allow-cpu --steps 2 --warmup 1 --batch-size 1 --seq-len 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from common import print_table  # also puts the repository on sys.path
+
+from device_sdk.format import read_manifest
+from pipeline.settings import RecoverSettings
+from pipeline.stage import StageContext
+
+CACHE = Path.home() / ".cache" / "elastify" / "bench" / "gpu-recovery"
+LLAMA2_7B_ACTIVE = 6_738_415_616  # Llama-2-7B: decoder linears + norms + LM head (32 layers, 4096 × 11008 MLP)
+
+
+def flops_per_token(loss: str, full_params: float, level_params: float) -> float:
+    student = 4.0 * level_params
+    return student + (2.0 * full_params if loss == "distill" else 0.0)
+
+
+def measure(package: Path, args) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.recover import LevelViews, add_lora, corpus_batches, make_loss, train_torch, training_device
+
+    device = training_device()
+    manifest = read_manifest(package)
+    full = max(manifest.elastic.levels, key=lambda shape: shape.level)
+    level = manifest.elastic.level(args.level)
+    settings = RecoverSettings(level=level.name, steps=args.warmup + args.steps, batch_size=args.batch_size,
+                               seq_len=args.seq_len, loss=args.loss, warmup_steps=min(2, args.warmup))
+    tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
+    batches = corpus_batches(tokenizer, settings)
+    model = ElasticCausalLM.from_package(package, device=device)
+    views = LevelViews(model, level.name)
+    peft_model = add_lora(views.hf, settings)
+    loss_fn = make_loss(settings, views, full.name, peft_model)
+    ctx = StageContext(work_dir=args.out / "ctx")
+    train_torch(peft_model, views.hf, batches[: args.warmup], settings, ctx, loss_fn)  # kernels, allocator
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    losses = train_torch(peft_model, views.hf, batches[args.warmup :], settings, ctx, loss_fn)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    tokens = args.steps * args.batch_size * (args.seq_len - 1)  # predicted positions per window
+    per_token = flops_per_token(args.loss, full.active_params, level.active_params)
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "level": level.name, "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
+        "seq_len": args.seq_len, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "flops_per_token": per_token, "achieved_tflops": tokens * per_token / seconds / 1e12,
+        "full_active_params": full.active_params, "level_active_fraction": level.active_fraction,
+        "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "loss_first": losses[0], "loss_last": losses[-1],
+    }
+
+
+def extrapolate(result: dict, args) -> dict:
+    """GPU-hours for a 7B model's recovery at the measured FLOP rate, for the stated token budget."""
+    target_level = args.target_params * result["level_active_fraction"]
+    per_token = flops_per_token(result["loss"], args.target_params, target_level)
+    tokens = args.levels * args.tokens_per_level
+    rate = result["achieved_tflops"] * 1e12
+    return {"target_params": args.target_params, "levels": args.levels, "tokens_per_level": args.tokens_per_level,
+            "flops_per_token": per_token, "tokens_per_s": rate / per_token, "gpu_hours": tokens * per_token / rate / 3600}
+
+
+def main() -> None:
+    defaults = RecoverSettings()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--level", default="0.5")
+    parser.add_argument("--loss", choices=["distill", "lm"], default="distill")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--target-params", type=float, default=LLAMA2_7B_ACTIVE, help="the 7B model's active params")
+    parser.add_argument("--levels", type=int, default=8, help="levels recovered (the default build: 0.2 … 0.9)")
+    parser.add_argument("--tokens-per-level", type=float,
+                        default=defaults.steps * defaults.batch_size * defaults.seq_len,
+                        help="recovery tokens per level (default: RecoverSettings' steps × batch × seq_len)")
+    parser.add_argument("--out", type=Path, default=CACHE)
+    parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a correctness check only)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        raise SystemExit("no CUDA device: this benchmark measures GPU recovery (--allow-cpu for a CPU smoke run)")
+
+    from bench_elastilm import build_package
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    package = args.out / "package"
+    if not (package / "manifest.json").is_file():
+        build_package(args.out, [0.5, 0.7, 1.0], StageContext(work_dir=args.out))
+    result = measure(package, args)
+    result["extrapolated_7b"] = extrapolate(result, args)
+    seven = result["extrapolated_7b"]
+    print_table(f"Recovery throughput ({result['device']}, SmolLM2 level {result['level']}, {result['loss']})",
+                ["tokens/s", "TFLOP/s", "peak GiB", "steps × batch × seq", "loss first → last"],
+                [[f"{result['tokens_per_s']:.4g}", f"{result['achieved_tflops']:.3g}",
+                  "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}",
+                  f"{result['steps']} × {result['batch_size']} × {result['seq_len']}",
+                  f"{result['loss_first']:.3f} → {result['loss_last']:.3f}"]])
+    print(f"7B ({seven['target_params'] / 1e9:.2f}B active params) at the same FLOP rate: "
+          f"{seven['tokens_per_s']:.3g} tokens/s; {seven['levels']} levels × {seven['tokens_per_level']:.3g} tokens "
+          f"= {seven['gpu_hours']:.2f} GPU-hours")
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    print(f"written {args.out / 'result.json'}")
+
+
+if __name__ == "__main__":
+    main()
