@@ -1,0 +1,545 @@
+"""Recovery benchmark on SmolLM2 (CPU): four ways to train a level's LoRA, at equal tokens.
+
+  (a) lm-ptb        LM loss on PTB train (the recovery before issue 13)
+  (b) lm-corpus     LM loss on the recovery corpus (pipeline.corpus)
+  (c) distill       distillation from the same weights at level 1.0, on the recovery corpus
+  (d) distill-warm  (c), each level's LoRA starting from the next larger level's (c)/(d) LoRA;
+                    the largest recovered level has none above it, so its (d) is its (c)
+
+Every method trains each level on `steps × batch × seq_len` tokens with the same settings
+otherwise; the training loop is the recover stage's own (pipeline.recover: LevelViews, add_lora,
+warm_start, make_loss, train_torch), run here step by step so quality can be read at checkpoints
+during training (the tokens-to-quality curve). Quality is out of domain, on the same windows for
+every method: LAMBADA perplexity and the held-out slice of the generated corpus, each as a ratio
+to the full model, both read through the device SDK's ElasticModel with the level's adapter
+installed (as a device runs it); and generation health, the repeated-4-gram rate of greedy
+output (ElasticModel.generate at the level) on 32 fixed everyday prompts × 64 tokens, against
+the full model's, for (a), (c), (d) and the full model (decoding is the slowest part on a shared
+CPU). The curve's points (LAMBADA) are read on the training model (same weights, same windows). Settings (lr, temperature) are fixed, not tuned on the reported sets; the validation
+slice (every 20th recovery text, kept out of training) is recorded along the curve.
+
+The corpus is generated once by the full model and cached by content hash under
+~/.cache/elastify/bench/. Two methods train side by side, one thread each.
+
+  .venv/bin/python bench/bench_recovery.py                       # the committed run
+  .venv/bin/python bench/bench_recovery.py --steps 2 --smoke     # end-to-end check, minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from common import ROOT, print_table
+
+from device_sdk.format import WEIGHTS, read_manifest
+from pipeline.calibration import make_windows, text_windows
+from pipeline.settings import CorpusSettings, RecoverSettings
+from pipeline.stage import StageContext
+
+CACHE = Path.home() / ".cache" / "elastify" / "bench"
+RESULTS = ROOT / "bench" / "results"
+METHODS = {
+    "lm-ptb": "(a) LM loss, PTB train",
+    "lm-corpus": "(b) LM loss, recovery corpus",
+    "distill": "(c) distillation, recovery corpus",
+    "distill-warm": "(d) (c) + warm start",
+}
+# Two processes side by side, about equal work: LM steps cost ~3/4 of a distillation step.
+WORKERS = {"lm": ["lm-ptb", "lm-corpus"], "distill": ["distill", "distill-warm"]}
+VALIDATION_EVERY = 20  # every n-th recovery text is the validation slice, never trained on
+# Greedy decoding runs ~5 tokens/s on one contended core, so generation health is measured for
+# today's recovery, the distillation methods and the full model (32 x 64 tokens each per level).
+GENERATION_METHODS = {"lm-ptb", "distill", "distill-warm"}
+
+# Fixed everyday prompts for generation health, typed as a user would at the CLI (no chat template).
+EVERYDAY_PROMPTS = [
+    "The capital of France is",
+    "To boil an egg, you",
+    "My favourite thing about summer is",
+    "The best way to learn a new language is",
+    "Here is a short story about a cat:",
+    "What should I cook for dinner tonight?",
+    "The weather today is",
+    "Water boils at",
+    "A good night's sleep helps",
+    "The three primary colours are",
+    "How do I reset my password?",
+    "Dear team, thank you for",
+    "The main reason people exercise is",
+    "In the morning I usually",
+    "Explain why the sky is blue.",
+    "The train to London leaves at",
+    "Write a sentence about the ocean.",
+    "My grandmother always told me that",
+    "The most important invention of the last century was",
+    "To make a cup of tea, first",
+    "Dogs are popular pets because",
+    "The city was quiet after the storm, and",
+    "Give me three tips for saving money.",
+    "The library opens at nine, so",
+    "A healthy breakfast includes",
+    "The football match ended with",
+    "When I was a child, I wanted to be",
+    "Photosynthesis is the process by which",
+    "The new phone costs",
+    "What is the difference between a virus and a bacterium?",
+    "Yesterday I went to the market and bought",
+    "The moon orbits the Earth every",
+]
+
+
+# --------------------------------------------------------------------------- measures
+
+
+def repeated_4gram_rate(outputs: list[list[int]]) -> float:
+    """Share of 4-grams (of generated tokens) that already occurred earlier in the same output, pooled."""
+    repeats = total = 0
+    for tokens in outputs:
+        seen = set()
+        for i in range(len(tokens) - 3):
+            gram = tuple(tokens[i : i + 4])
+            repeats += gram in seen
+            seen.add(gram)
+            total += 1
+    return repeats / total if total else 0.0
+
+
+class EvalSets:
+    """The windows every method is measured on: LAMBADA, the held-out generated slice, the validation slice."""
+
+    def __init__(self, tokenizer, corpus_dir: Path, args) -> None:
+        from pipeline.corpus import load_heldout_texts, load_recovery_texts
+
+        heldout = load_heldout_texts(corpus_dir)
+        slots = len(tokenizer("\n\n".join(heldout), add_special_tokens=False)["input_ids"]) // args.eval_len
+        self.windows = {
+            "lambada": make_windows(tokenizer, "lambada", args.lambada_windows, args.eval_len, seed=1),
+            "heldout": text_windows(tokenizer, heldout, min(args.heldout_windows, slots), args.eval_len, 1),
+            "validation": text_windows(tokenizer, load_recovery_texts(corpus_dir)[::VALIDATION_EVERY],
+                                       args.validation_windows, args.eval_len, 1),
+        }
+
+    def sizes(self) -> dict:
+        return {name: list(w.shape) for name, w in self.windows.items()}
+
+
+# --------------------------------------------------------------------------- package and corpus
+
+
+def prepare_package(out: Path, reuse: bool) -> Path:
+    from bench_elastilm import build_package
+
+    package = out / "package"
+    if reuse and (package / "manifest.json").is_file():
+        return package
+    return build_package(out, [0.5, 0.7, 1.0], StageContext(work_dir=out))
+
+
+def corpus_settings(args) -> CorpusSettings:
+    return CorpusSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, heldout_fraction=0.25, seed=0)
+
+
+def weights_digest(package: Path) -> str:
+    digest = hashlib.sha256()
+    with open(package / WEIGHTS, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def prepare_corpus(package: Path, settings: CorpusSettings, shards: int) -> Path:
+    """The recovery corpus of the package's full model, cached by (settings, weights) digest; shards generate side by side."""
+    from tokenizers import Tokenizer
+
+    from pipeline.corpus import check_disjoint, generation_speed, merge_corpus
+
+    key = hashlib.sha256((settings.model_dump_json() + weights_digest(package)).encode()).hexdigest()[:16]
+    target = CACHE / f"recovery-corpus-{key}"
+    if (target / "recovery.jsonl").is_file():
+        return target
+    shard_dirs = [CACHE / f"recovery-corpus-{key}.shard{k}" for k in range(shards)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--generate-shard", str(k), "--shards", str(shards),
+                               "--package", str(package), "--corpus-json", settings.model_dump_json(),
+                               "--shard-out", str(shard_dirs[k])], env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for k in range(shards) if not (shard_dirs[k] / "generated.jsonl").is_file()]
+    if any(p.wait() for p in procs):
+        raise RuntimeError("corpus generation failed")
+    tokenizer = Tokenizer.from_file(str(package / "model" / "tokenizer.json"))
+    merge_corpus(shard_dirs, target, tokenizer)
+    check_disjoint(target)
+    print(f"corpus generation: {generation_speed(shard_dirs)}", flush=True)
+    return target
+
+
+def generate_one_shard(args) -> None:
+    from pipeline.corpus import generate_shard
+
+    torch.set_num_threads(1)
+    settings = CorpusSettings.model_validate_json(args.corpus_json).model_copy(
+        update={"shard": args.generate_shard, "shards": args.shards})
+    generate_shard(Path(args.package), settings, Path(args.shard_out))
+
+
+# --------------------------------------------------------------------------- training with checkpoints
+
+
+class CheckpointedBatches:
+    """The training batches, calling `evaluate(step)` before batch `step` for each checkpoint and after the last.
+
+    train_torch iterates it; an evaluation runs between two optimizer steps, with no grad.
+    """
+
+    def __init__(self, batches: list, checkpoints: set[int], evaluate) -> None:
+        self.batches, self.checkpoints, self.evaluate = batches, checkpoints, evaluate
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        for step, batch in enumerate(self.batches):
+            if step in self.checkpoints:
+                self.evaluate(step)
+            yield batch
+        self.evaluate(len(self.batches))
+
+
+def recover_settings(args, method: str, level: str) -> RecoverSettings:
+    distill = method.startswith("distill")
+    return RecoverSettings(level=level, corpus=["ptb:train"], steps=args.steps, batch_size=args.batch_size,
+                           seq_len=args.seq_len, lr=args.lr, warmup_steps=max(1, args.steps // 20),
+                           loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
+                           warm_start=method == "distill-warm", seed=args.seed)
+
+
+def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, init_adapter: Path | None,
+                out: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from pipeline.corpus import load_recovery_texts
+    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.recover import (
+        LevelViews,
+        add_lora,
+        corpus_batches,
+        eval_loss,
+        make_loss,
+        save_adapter,
+        text_batches,
+        train_torch,
+        unit_major_adapter,
+        warm_start,
+    )
+
+    settings = recover_settings(args, method, level)
+    torch.manual_seed(settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
+    sets = EvalSets(tokenizer, corpus_dir, args)
+    if method == "lm-ptb":
+        batches = corpus_batches(tokenizer, settings)
+    else:
+        texts = [t for i, t in enumerate(load_recovery_texts(corpus_dir)) if i % VALIDATION_EVERY]
+        batches = text_batches(tokenizer, texts, settings)
+    model = ElasticCausalLM.from_package(package)
+    full = max(model.elastic.levels, key=lambda lv: lv.ratio).name
+    views = LevelViews(model, level)
+    peft_model = add_lora(views.hf, settings)
+    if init_adapter is not None:
+        warm_start(peft_model, init_adapter, settings)
+    tokens_per_step = settings.batch_size * settings.seq_len
+    curve = []
+    started = time.perf_counter()
+
+    def evaluate(step: int) -> None:  # LAMBADA only along the way: the other sets are read at the end, by the SDK
+        point = {"step": step, "tokens": step * tokens_per_step,
+                 "lambada_ppl": math.exp(eval_loss(views.hf, sets.windows["lambada"], 4)),
+                 "elapsed_s": round(time.perf_counter() - started, 1)}
+        curve.append(point)
+        print(f"  [{method} {level}] step {step}: LAMBADA ppl {point['lambada_ppl']:.1f} "
+              f"({point['elapsed_s']} s)", flush=True)
+
+    checkpoints = {round(args.steps * f) for f in (0, 0.25, 0.5, 0.75)}
+    losses = train_torch(peft_model, views.hf, CheckpointedBatches(batches, checkpoints, evaluate), settings,
+                         StageContext(work_dir=out), make_loss(settings, views, full, peft_model))
+    wall = time.perf_counter() - started
+    adapter = out / f"{method}-{level}.safetensors"
+    save_adapter(unit_major_adapter(peft_model), adapter, settings)
+    return {"method": method, "level": level, "adapter": str(adapter), "steps": settings.steps,
+            "train_tokens": settings.steps * tokens_per_step, "wall_s": round(wall, 1),
+            "train_loss_first": losses[0], "train_loss_last": losses[-1], "curve": curve,
+            "warm_start_from": str(init_adapter) if init_adapter else None,
+            "settings": settings.model_dump(mode="json")}
+
+
+# --------------------------------------------------------------------------- SDK evaluation
+
+
+def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens: int, generate: set[str]) -> dict:
+    """Per level, through the device SDK (adapters as installed): perplexities, and greedy generation health
+    at the levels in `generate`."""
+    from pipeline.elastic_model import serving_model
+    from pipeline.lm import perplexity
+
+    model = serving_model(package)
+    results = {}
+    for level in levels:
+        model.set_level(level)
+        row = {f"{name}_ppl": perplexity(model, windows, 4) for name, windows in sets.windows.items()}
+        results[level] = row
+        if level not in generate:
+            continue
+        started = time.perf_counter()
+        outputs = [model.generate(p, max_new_tokens=max_new_tokens, level=level) for p in EVERYDAY_PROMPTS]
+        row["repeat4"] = repeated_4gram_rate([[t for t in o.tokens if t not in model.eos_ids] for o in outputs])
+        row["sample"] = {p: o.text for p, o in list(zip(EVERYDAY_PROMPTS, outputs, strict=True))[:3]}
+        row["generation_s"] = round(time.perf_counter() - started, 1)
+        print(f"  [sdk {package.name} {level}] " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
+                                                             if isinstance(v, float)), flush=True)
+    return results
+
+
+def run_worker(args) -> None:
+    """Train and evaluate this worker's methods at every recovered level, top-down; one JSON per method."""
+    from transformers import AutoTokenizer
+
+    from pipeline.recover import copy_package, install_adapters
+
+    torch.set_num_threads(1)
+    package, corpus_dir, out = Path(args.package), Path(args.corpus), Path(args.out)
+    levels = sorted(args.levels.split(","), key=float, reverse=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
+    sets = EvalSets(tokenizer, corpus_dir, args)
+    for method in WORKERS[args.worker]:
+        result_path = out / "runs" / f"{method}.json"
+        if args.reuse and result_path.is_file():
+            continue
+        runs = {}
+        for index, level in enumerate(levels):
+            init = None
+            if method == "distill-warm" and index > 0:
+                init = Path(runs[levels[index - 1]]["adapter"])
+            elif method == "distill-warm":  # the largest recovered level starts cold: it is (c)'s run
+                runs[level] = json.loads((out / "runs" / "distill.json").read_text())["runs"][level] | {
+                    "method": method, "reused_from": "distill"}
+                continue
+            runs[level] = train_level(package, corpus_dir, method, level, args, init, out / "adapters")
+        installed = out / f"package-{method}"
+        copy_package(package, installed)
+        install_adapters(installed, {lv: Path(r["adapter"]) for lv, r in runs.items()})
+        reused = {lv for lv, r in runs.items() if r.get("reused_from")}
+        quality = sdk_quality(installed, [lv for lv in levels if lv not in reused], sets, args.gen_tokens,
+                              set(levels) if method in GENERATION_METHODS else set())
+        for level in reused:  # the same adapter as (c)'s at this level
+            quality[level] = json.loads((out / "runs" / "distill.json").read_text())["quality"][level]
+        result_path.parent.mkdir(parents=True, exist_ok=True)
+        result_path.write_text(json.dumps({"method": method, "runs": runs, "quality": quality}, indent=2))
+    if args.worker == "lm" and not (args.reuse and (out / "runs" / "reference.json").is_file()):
+        # the full model and the levels without recovery, same windows and prompts
+        quality = sdk_quality(package, [*levels, "1.0"], sets, args.gen_tokens, {"1.0"})
+        (out / "runs" / "reference.json").write_text(json.dumps({"quality": quality}, indent=2))
+
+
+# --------------------------------------------------------------------------- report
+
+
+def rate_ratio(rate: float, full_rate: float) -> float:
+    """A level's repeated-4-gram rate over the full model's (1 when both are 0, inf when only the full model's is)."""
+    if full_rate:
+        return rate / full_rate
+    return float("inf") if rate else 1.0
+
+
+def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
+    out = Path(args.out)
+    reference = json.loads((out / "runs" / "reference.json").read_text())["quality"]
+    full = reference["1.0"]
+    methods = {m: json.loads((out / "runs" / f"{m}.json").read_text()) for m in METHODS}
+    corpus_manifest = json.loads((corpus_dir / "corpus.json").read_text())
+    tokens = args.steps * args.batch_size * args.seq_len
+    rows = []
+    for level in sorted(args.levels.split(","), key=float, reverse=True):
+        base = reference[level]
+        rows.append({"level": level, "method": "none", "lambada_ratio": base["lambada_ppl"] / full["lambada_ppl"],
+                     "heldout_ratio": base["heldout_ppl"] / full["heldout_ppl"],
+                     "repeat4_ratio": None, "repeat4": None, **base})
+        for method, data in methods.items():
+            q = data["quality"][level]
+            rows.append({"level": level, "method": method, "lambada_ratio": q["lambada_ppl"] / full["lambada_ppl"],
+                         "heldout_ratio": q["heldout_ppl"] / full["heldout_ppl"],
+                         "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]) if "repeat4" in q else None,
+                         "repeat4": None, **q})
+    by = {(r["level"], r["method"]): r for r in rows}
+    goals = {
+        "level 0.7 LAMBADA <= 1.6x full (best method)": min(by[("0.7", m)]["lambada_ratio"] for m in METHODS) <= 1.6,
+        "level 0.5 LAMBADA <= 2.5x full (best method)": min(by[("0.5", m)]["lambada_ratio"] for m in METHODS) <= 2.5,
+        "distillation (c) beats LM (b) on LAMBADA at every level": all(
+            by[(lv, "distill")]["lambada_ppl"] < by[(lv, "lm-corpus")]["lambada_ppl"] for lv in args.levels.split(",")),
+        "distillation (c) beats LM (a) and (b) on LAMBADA at every level": all(
+            by[(lv, "distill")]["lambada_ppl"] < min(by[(lv, "lm-corpus")]["lambada_ppl"], by[(lv, "lm-ptb")]["lambada_ppl"])
+            for lv in args.levels.split(",")),
+        "repeat-4 rate <= 2x full at every level (method (c))": all(
+            by[(lv, "distill")]["repeat4_ratio"] <= 2 for lv in args.levels.split(",")),
+        "repeat-4 rate <= 2x full at every level (method (d))": all(
+            by[(lv, "distill-warm")]["repeat4_ratio"] <= 2 for lv in args.levels.split(",")),
+    }
+    return {
+        "model": "SmolLM2-135M-Instruct", "device": "CPU, 1 thread per method process (two processes side by side)",
+        "seed": args.seed, "levels": args.levels.split(","),
+        "tokens_per_level": tokens, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        "settings": {"lr": args.lr, "temperature": args.temperature, "rank": 8, "alpha": 16.0,
+                     "selection": "fixed a priori; not tuned on LAMBADA or the held-out slice"},
+        "eval_windows": sets_sizes, "generation": {"prompts": len(EVERYDAY_PROMPTS), "max_new_tokens": args.gen_tokens,
+                                                   "decoding": "greedy, device SDK ElasticModel.generate"},
+        "corpus": {"dir": str(corpus_dir), "recovery": corpus_manifest["recovery"],
+                   "heldout": corpus_manifest["heldout"], "generation": corpus_manifest["generation"]},
+        "full_model": full, "rows": rows, "goals": goals,
+        "curves": {m: {lv: r["curve"] for lv, r in d["runs"].items()} for m, d in methods.items()},
+        "train_wall_s": {m: {lv: r["wall_s"] for lv, r in d["runs"].items()} for m, d in methods.items()},
+        "total_wall_s": round(wall, 1),
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = results["levels"]
+    full = results["full_model"]
+    fig, axes = plt.subplots(1, len(levels) + 1, figsize=(5 * (len(levels) + 1), 4.2))
+    colors = {"lm-ptb": "tab:gray", "lm-corpus": "tab:blue", "distill": "tab:red", "distill-warm": "tab:purple"}
+    for ax, level in zip(axes, sorted(levels, key=float, reverse=True), strict=False):
+        for method, per_level in results["curves"].items():
+            points = per_level[level]
+            ax.plot([p["tokens"] / 1000 for p in points], [p["lambada_ppl"] / full["lambada_ppl"] for p in points],
+                    marker="o", color=colors[method], label=METHODS[method])
+        goal = {"0.7": 1.6, "0.5": 2.5}.get(level)
+        if goal:
+            ax.axhline(goal, ls="--", color="black", lw=1, label=f"goal {goal}x")
+        none = next(r for r in results["rows"] if r["level"] == level and r["method"] == "none")
+        ax.axhline(none["lambada_ratio"], ls=":", color="tab:gray", lw=1, label="no recovery")
+        ax.set(title=f"level {level}: tokens to quality", xlabel="training tokens per level (thousands)",
+               ylabel="LAMBADA perplexity / full model's")
+        ax.set_ylim(bottom=1.0)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    ax = axes[-1]
+    methods = [m for m in METHODS if m in GENERATION_METHODS]
+    width = 0.8 / len(methods)
+    for k, method in enumerate(methods):
+        rows = [next(r for r in results["rows"] if r["level"] == lv and r["method"] == method)
+                for lv in sorted(levels, key=float, reverse=True)]
+        ax.bar([i + k * width for i in range(len(rows))], [r["repeat4"] for r in rows], width,
+               color=colors.get(method, "tab:olive"), label=METHODS.get(method, "no recovery"))
+    ax.axhline(full["repeat4"], color="black", lw=1, label="full model")
+    ax.axhline(2 * full["repeat4"], color="black", ls="--", lw=1, label="2x full (goal)")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(levels))], [f"level {lv}" for lv in
+                                                                       sorted(levels, key=float, reverse=True)])
+    ax.set(title=f"repeated-4-gram rate, {results['generation']['prompts']} prompts x "
+                 f"{results['generation']['max_new_tokens']} greedy tokens", ylabel="rate")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"SmolLM2-135M recovery at {results['tokens_per_level']} tokens per level (seed {results['seed']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def report(results: dict) -> None:
+    rows = [[r["level"], r["method"], f"{r['lambada_ppl']:.1f}", f"{r['lambada_ratio']:.2f}x",
+             f"{r['heldout_ppl']:.2f}", f"{r['heldout_ratio']:.2f}x",
+             "-" if r["repeat4"] is None else f"{r['repeat4']:.3f}",
+             "-" if r["repeat4"] is None else f"{r['repeat4_ratio']:.2f}x"]
+            for r in results["rows"]]
+    full = results["full_model"]
+    rows.append(["1.0", "full model", f"{full['lambada_ppl']:.1f}", "1.00x", f"{full['heldout_ppl']:.2f}", "1.00x",
+                 f"{full['repeat4']:.3f}", "1.00x"])
+    sizes = results["eval_windows"]
+    print_table(f"recovery at {results['tokens_per_level']} tokens per level ({results['steps']} steps x "
+                f"{results['batch_size']} x {results['seq_len']}), seed {results['seed']}; LAMBADA "
+                f"{sizes['lambada'][0]}x{sizes['lambada'][1]} tokens, held-out {sizes['heldout'][0]}x"
+                f"{sizes['heldout'][1]}, {results['generation']['prompts']} prompts x "
+                f"{results['generation']['max_new_tokens']} tokens",
+                ["level", "method", "LAMBADA ppl", "/ full", "held-out ppl", "/ full", "repeat-4", "/ full"], rows)
+    print_table("methods", ["method", "what"], [["none", "no recovery (the elastified level as is)"],
+                                                 *([k, v] for k, v in METHODS.items())])
+    print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in results["goals"].items()])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-recovery"))
+    parser.add_argument("--levels", default="0.7,0.5")
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=48, help="corpus prompts the full model answers")
+    parser.add_argument("--max-new-tokens", type=int, default=80, help="per corpus answer")
+    parser.add_argument("--lambada-windows", type=int, default=24)
+    parser.add_argument("--heldout-windows", type=int, default=16)
+    parser.add_argument("--validation-windows", type=int, default=8)
+    parser.add_argument("--eval-len", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--smoke", action="store_true", help="a few prompts and windows: checks the path, not quality")
+    parser.add_argument("--reuse", action="store_true", help="reuse the package and finished runs under --out")
+    parser.add_argument("--no-results", action="store_true", help="do not write bench/results/")
+    # internal: one worker process / one corpus shard
+    parser.add_argument("--worker", choices=sorted(WORKERS))
+    parser.add_argument("--package")
+    parser.add_argument("--corpus")
+    parser.add_argument("--generate-shard", type=int)
+    parser.add_argument("--shards", type=int, default=2)
+    parser.add_argument("--corpus-json")
+    parser.add_argument("--shard-out")
+    args = parser.parse_args()
+    if args.smoke:
+        args.lambada_windows, args.heldout_windows, args.validation_windows, args.gen_tokens = 4, 1, 2, 8
+        args.prompts, args.max_new_tokens, args.eval_len = 12, 16, 32
+        EVERYDAY_PROMPTS[:] = EVERYDAY_PROMPTS[:3]
+    if args.generate_shard is not None:
+        return generate_one_shard(args)
+    if args.worker:
+        return run_worker(args)
+
+    started = time.perf_counter()
+    torch.set_num_threads(2)
+    args.out.mkdir(parents=True, exist_ok=True)
+    package = prepare_package(args.out, args.reuse)
+    assert [lv.name for lv in read_manifest(package).elastic.levels] == ["0.5", "0.7", "1.0"]
+    corpus_dir = prepare_corpus(package, corpus_settings(args), args.shards)
+    print(f"package {package}, corpus {corpus_dir}", flush=True)
+    common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
+              *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "lambada_windows",
+                  "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
+    common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
+    procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"}) for name in WORKERS}
+    failed = [name for name, proc in procs.items() if proc.wait()]
+    if failed:
+        raise SystemExit(f"workers failed: {failed}")
+    from transformers import AutoTokenizer
+
+    sets = EvalSets(AutoTokenizer.from_pretrained(str(package / "model")), corpus_dir, args)
+    results = assemble(args, corpus_dir, sets.sizes(), time.perf_counter() - started)
+    (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out / "recovery.png")
+    if not args.no_results and not args.smoke:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2))
+        plot(results, RESULTS / "recovery.png")
+    report(results)
+
+
+if __name__ == "__main__":
+    main()
