@@ -104,7 +104,7 @@ def test_recovery_chains_top_down_on_the_generated_corpus_through_the_scheduler(
             "recover": {"settings": {"steps": 2, "batch_size": 2, "seq_len": 24, "eval_windows": 2, "rank": 2,
                                      "eval_corpus": [str(calib_text)]}},
             "evaluate": {"settings": {"corpora": [str(calib_text)], "windows": 2, "window_length": 32, "tasks": [],
-                                      "measure_latency": False}},
+                                      "generation_prompts": 4, "generation_tokens": 16, "measure_latency": False}},
             **{name: {"enabled": False} for name in ("latency", "tlm-score", "label", "label-derive", "tlm-decision")},
         },
         "publish": {"name": "tiny-chained", "version": "0.1.0"},
@@ -131,6 +131,15 @@ def test_recovery_chains_top_down_on_the_generated_corpus_through_the_scheduler(
     larger, smaller = metrics("0.75"), metrics("0.5")
     assert larger["warm_start_from"] is None and smaller["warm_start_from"] is not None  # the largest starts cold
     assert larger["corpus_dir"] and smaller["corpus_dir"] and smaller["settings"]["loss"] == "distill"
-    manifest = verify_package(settings.home / "store" / "packages" / "tiny-chained" / "0.1.0", settings.public_key_b64())
+    published = settings.home / "store" / "packages" / "tiny-chained" / "0.1.0"
+    manifest = verify_package(published, settings.public_key_b64())
     assert [level.adapter for level in manifest.elastic.levels] == [
         "adapters/recovery/0.5.safetensors", "adapters/recovery/0.75.safetensors", None]
+    # The report card read how the levels were recovered: distilled, so level 1.0 is a like-with-like reference.
+    artifact = stages["evaluate"]["artifacts"]["report_card"]
+    card = json.loads(store.get_artifact(ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"]),
+                                         tmp_path / "report_card.json").read_text())
+    assert "stays exactly zero" in card["in_domain_reference"]
+    assert manifest.elastic.level("1.0").usable and (published / "report" / "quality.png").is_file()
+    assert all({"top1_agreement", "repeat_4gram_rate", f"ppl_ratio:{calib_text}"} <= set(level.quality)
+               for level in manifest.elastic.levels)
