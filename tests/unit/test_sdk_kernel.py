@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from device_sdk import kernels
-from device_sdk import kernels
 from device_sdk.kernels import GEMM_ROWS, WEIGHT_FORMATS, make_linear, native_linear, reference_linear
 from device_sdk.runtime import ElasticModel
 
