@@ -16,9 +16,11 @@ import math
 import numbers
 import os
 import re
+import shutil
 import struct
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -600,6 +602,33 @@ def rewrite_manifest(package_dir: Path, manifest: Manifest) -> None:
     manifest.files = file_entries(Path(package_dir))
     manifest.validate()
     atomic_write_bytes(Path(package_dir) / MANIFEST, canonical_json(manifest.to_dict()))
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """A fresh directory beside `target` that replaces it whole when the block succeeds and is
+    removed when it fails, so a reader never sees a half-written `target`."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield staging
+        swap_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def swap_into_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`; an existing `target` is retired first and then deleted."""
+    if not target.exists():
+        os.rename(staging, target)
+        return
+    retired = target.with_name(f".{target.name}.retired")
+    shutil.rmtree(retired, ignore_errors=True)
+    os.rename(target, retired)
+    os.rename(staging, target)
+    shutil.rmtree(retired, ignore_errors=True)
 
 
 def atomic_write_bytes(path: Path, content: bytes) -> None:

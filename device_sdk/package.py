@@ -6,9 +6,7 @@ which needs no torch; this module adds what does.
 
 from __future__ import annotations
 
-import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from device_sdk.format import (
     canonical_json,
     file_entries,
     safetensors_layout,
+    staged_directory,
 )
 
 
@@ -67,9 +66,7 @@ def write_package(
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise PackageError(f"{out_dir} already exists")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
+    with staged_directory(out_dir) as stage:
         (stage / "model").mkdir()
         contiguous = {name: tensor.contiguous() for name, tensor in weights.items()}
         element_sizes = {t.element_size() for t in contiguous.values()}
@@ -89,10 +86,6 @@ def write_package(
         )
         manifest.validate()
         (stage / MANIFEST).write_bytes(canonical_json(manifest.to_dict()))
-        _swap_into_place(stage, out_dir)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -106,13 +99,3 @@ def _place(root: Path, relative: str, content: Path | bytes) -> None:
     else:
         shutil.copyfile(content, target)
 
-
-def _swap_into_place(stage: Path, out_dir: Path) -> None:
-    if not out_dir.exists():
-        os.rename(stage, out_dir)
-        return
-    retired = out_dir.with_name(f".{out_dir.name}.retired")
-    shutil.rmtree(retired, ignore_errors=True)
-    os.rename(out_dir, retired)
-    os.rename(stage, out_dir)
-    shutil.rmtree(retired, ignore_errors=True)

