@@ -21,7 +21,7 @@ slice (every 20th recovery text, kept out of training) is recorded along the cur
 The corpus is generated once by the full model and cached by content hash under
 ~/.cache/elastify/bench/. Two methods train side by side, one thread each.
 
-  .venv/bin/python bench/bench_recovery.py                       # the committed run
+  .venv/bin/python bench/bench_recovery.py --second-seed 1       # the committed run (~45 min, 2 cores)
   .venv/bin/python bench/bench_recovery.py --steps 2 --smoke     # end-to-end check, minutes
 """
 
@@ -376,6 +376,14 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
                          "heldout_ratio": q["heldout_ppl"] / full["heldout_ppl"],
                          "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]) if "repeat4" in q else None,
                          "repeat4": None, **q})
+    second_seed = None
+    if args.second_seed is not None:  # (c) at the lowest level again, another seed: how much of a gap is noise
+        level = min(args.levels.split(","), key=float)
+        q = json.loads((second_seed_dir(out, args.second_seed) / "runs" / "distill.json").read_text())["quality"][level]
+        second_seed = {"seed": args.second_seed, "method": "distill", "level": level,
+                       "lambada_ratio": q["lambada_ppl"] / full["lambada_ppl"],
+                       "heldout_ratio": q["heldout_ppl"] / full["heldout_ppl"],
+                       "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]), **q}
     by = {(r["level"], r["method"]): r for r in rows}
     goals = {
         "level 0.7 LAMBADA <= 1.6x full (best method)": min(by[("0.7", m)]["lambada_ratio"] for m in METHODS) <= 1.6,
@@ -400,11 +408,15 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
                                                    "decoding": "greedy, device SDK ElasticModel.generate"},
         "corpus": {"dir": str(corpus_dir), "recovery": corpus_manifest["recovery"],
                    "heldout": corpus_manifest["heldout"], "generation": corpus_manifest["generation"]},
-        "full_model": full, "rows": rows, "goals": goals,
+        "full_model": full, "rows": rows, "second_seed": second_seed, "goals": goals,
         "curves": {m: {lv: r["curve"] for lv, r in d["runs"].items()} for m, d in methods.items()},
         "train_wall_s": {m: {lv: r["wall_s"] for lv, r in d["runs"].items()} for m, d in methods.items()},
         "total_wall_s": round(wall, 1),
     }
+
+
+def second_seed_dir(out: Path, seed: int) -> Path:
+    return Path(out) / f"seed-{seed}"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -446,7 +458,8 @@ def plot(results: dict, path: Path) -> None:
                                                                        sorted(levels, key=float, reverse=True)])
     ax.set(title=f"repeated-4-gram rate, {results['generation']['prompts']} prompts x "
                  f"{results['generation']['max_new_tokens']} greedy tokens", ylabel="rate")
-    ax.legend(fontsize=7)
+    ax.set_ylim(0, 1.35)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
     fig.suptitle(f"SmolLM2-135M recovery at {results['tokens_per_level']} tokens per level (seed {results['seed']})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -459,6 +472,11 @@ def report(results: dict) -> None:
              "-" if r["repeat4"] is None else f"{r['repeat4_ratio']:.2f}x"]
             for r in results["rows"]]
     full = results["full_model"]
+    if results.get("second_seed"):
+        r = results["second_seed"]
+        rows.append([r["level"], f"distill, seed {r['seed']}", f"{r['lambada_ppl']:.1f}", f"{r['lambada_ratio']:.2f}x",
+                     f"{r['heldout_ppl']:.2f}", f"{r['heldout_ratio']:.2f}x", f"{r['repeat4']:.3f}",
+                     f"{r['repeat4_ratio']:.2f}x"])
     rows.append(["1.0", "full model", f"{full['lambada_ppl']:.1f}", "1.00x", f"{full['heldout_ppl']:.2f}", "1.00x",
                  f"{full['repeat4']:.3f}", "1.00x"])
     sizes = results["eval_windows"]
@@ -477,12 +495,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-recovery"))
     parser.add_argument("--levels", default="0.7,0.5")
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--second-seed", type=int, help="also train (c) at the lowest level with this seed")
     parser.add_argument("--prompts", type=int, default=48, help="corpus prompts the full model answers")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="per corpus answer")
     parser.add_argument("--lambada-windows", type=int, default=24)
@@ -525,6 +544,13 @@ def main() -> None:
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],
                                     env={**os.environ, "OMP_NUM_THREADS": "1"}) for name in WORKERS}
+    if args.second_seed is not None:  # in the distillation worker's slot once it is done
+        procs["distill"].wait()
+        lowest = min(args.levels.split(","), key=float)
+        procs["second seed"] = subprocess.Popen(
+            [sys.executable, __file__, "--worker", "distill", *common, f"--levels={lowest}",
+             f"--seed={args.second_seed}", f"--out={second_seed_dir(args.out, args.second_seed)}"],
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
     failed = [name for name, proc in procs.items() if proc.wait()]
     if failed:
         raise SystemExit(f"workers failed: {failed}")
