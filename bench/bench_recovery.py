@@ -42,6 +42,7 @@ from common import ROOT, print_table
 
 from device_sdk.format import WEIGHTS, read_manifest
 from pipeline.calibration import make_windows, text_windows
+from pipeline.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
 from pipeline.settings import CorpusSettings, RecoverSettings
 from pipeline.stage import StageContext
 
@@ -60,57 +61,11 @@ VALIDATION_EVERY = 20  # every n-th recovery text is the validation slice, never
 # today's recovery, the distillation methods and the full model (32 x 64 tokens each per level).
 GENERATION_METHODS = {"lm-ptb", "distill", "distill-warm"}
 
-# Fixed everyday prompts for generation health, typed as a user would at the CLI (no chat template).
-EVERYDAY_PROMPTS = [
-    "The capital of France is",
-    "To boil an egg, you",
-    "My favourite thing about summer is",
-    "The best way to learn a new language is",
-    "Here is a short story about a cat:",
-    "What should I cook for dinner tonight?",
-    "The weather today is",
-    "Water boils at",
-    "A good night's sleep helps",
-    "The three primary colours are",
-    "How do I reset my password?",
-    "Dear team, thank you for",
-    "The main reason people exercise is",
-    "In the morning I usually",
-    "Explain why the sky is blue.",
-    "The train to London leaves at",
-    "Write a sentence about the ocean.",
-    "My grandmother always told me that",
-    "The most important invention of the last century was",
-    "To make a cup of tea, first",
-    "Dogs are popular pets because",
-    "The city was quiet after the storm, and",
-    "Give me three tips for saving money.",
-    "The library opens at nine, so",
-    "A healthy breakfast includes",
-    "The football match ended with",
-    "When I was a child, I wanted to be",
-    "Photosynthesis is the process by which",
-    "The new phone costs",
-    "What is the difference between a virus and a bacterium?",
-    "Yesterday I went to the market and bought",
-    "The moon orbits the Earth every",
-]
+# The report card's generation-health prompts; the smoke run trims this list in place.
+EVERYDAY_PROMPTS = list(GENERATION_PROMPTS)
 
 
 # --------------------------------------------------------------------------- measures
-
-
-def repeated_4gram_rate(outputs: list[list[int]]) -> float:
-    """Share of 4-grams (of generated tokens) that already occurred earlier in the same output, pooled."""
-    repeats = total = 0
-    for tokens in outputs:
-        seen = set()
-        for i in range(len(tokens) - 3):
-            gram = tuple(tokens[i : i + 4])
-            repeats += gram in seen
-            seen.add(gram)
-            total += 1
-    return repeats / total if total else 0.0
 
 
 class EvalSets:
