@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from device_sdk import trust
 from device_sdk.cli import main as device_cli
 from device_sdk.format import (
     MANIFEST,
@@ -76,7 +77,9 @@ def test_trust_cli_add_list_remove_and_no_silent_rotation(store, capsys):
     assert usage.value.code == 2 and "not an Ed25519 public key" in capsys.readouterr().err
 
 
-def test_load_and_verify_without_a_key_are_refused_unless_opted_in(package, store, caplog):
+def test_load_and_verify_without_a_key_are_refused_unless_opted_in(package, store, caplog, monkeypatch):
+    # The warning is given once per package version and process; earlier tests load 'tiny' too.
+    monkeypatch.setattr(trust, "_warned", set())
     with pytest.raises(PackageError, match="no public key is pinned for package 'tiny'"):
         ElasticModel.load(package)
     with pytest.raises(PackageError, match="no public key is pinned"):

@@ -51,12 +51,12 @@ def test_tlm_align_compressed_labels_words_in_order():
 def test_tlm_score_head_beats_random_dropping_on_held_out_items():
     from transformers import AutoTokenizer
 
-    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.elastic_model import serving_model
     from pipeline.label import answer_correct, load_items
     from pipeline.tlm import compress, load_tlm, random_compress
 
     package = smollm2_elastic_package()
-    model = ElasticCausalLM.from_package(package)
+    model = serving_model(package)  # labelling scores with the device SDK's model
     model.set_level("1.0")
     tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
     tlm, tlm_tokenizer = load_tlm(score_tlm_dir())
