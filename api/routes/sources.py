@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import shutil
 import tempfile
-from datetime import datetime
 from pathlib import Path as FilePath
 from typing import Annotated
 
@@ -25,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.problems import ProblemError, not_found
 from api.routes import CallerDep, problems, sessions, store
-from api.schemas import Schema
+from api.schemas import Schema, datetime  # aware UTC on the wire (RFC 3339)
 from cluster.service import (
     QuotaExceeded,
     check_upload_quota,
