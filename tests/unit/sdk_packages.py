@@ -77,6 +77,19 @@ def tiny_package(kind: str, out_dir: Path, key: Ed25519PrivateKey, **config_over
     return model, build_package(model, byte_tokenizer(), out_dir, key)
 
 
+def fixed_profile_model(package_dir: Path):
+    """The package's ElasticModel with a fixed latency profile (level i: TTFT base 10(i+1) ms, 0.1(i+1) ms
+    a prompt token, TPOT i+1 ms), so SLO decisions do not depend on how busy the test machine is."""
+    from device_sdk.latency import LatencyProfile, LevelLatency
+    from device_sdk.runtime import ElasticModel
+
+    model = ElasticModel.load(package_dir, allow_unsigned=True)
+    model.latency_profile = LatencyProfile(
+        "fp32", 1, {name: LevelLatency(10.0 * (i + 1), 0.1 * (i + 1), 1.0 * (i + 1))
+                    for i, name in enumerate(model.available_levels())})
+    return model
+
+
 def add_recovery_adapters(package_dir: Path, key: Ed25519PrivateKey, rank: int = 2, seed: int = 0) -> None:
     """A random LoRA per level (A [r, in_active], B [out_active, r]) on every projection."""
     manifest = read_manifest(package_dir)

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from device_sdk.cli import main as device_cli
-from device_sdk.latency import SLO, Decision, LatencyProfile, LevelLatency, profile_path
+from device_sdk.latency import SLO, Decision, LatencyProfile, profile_path
 from device_sdk.runtime import ElasticModel
 from device_sdk.serve import make_server, parse_slo
-from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
+from tests.unit.sdk_packages import fixed_profile_model, public_bytes, signing_key, tiny_package
 
 KEY = signing_key()
 
@@ -27,14 +27,7 @@ def package(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def model(package) -> ElasticModel:
-    model = ElasticModel.load(package, allow_unsigned=True)
-    # A fixed profile: decisions must not depend on how busy the test machine is.
-    model.latency_profile = LatencyProfile(
-        "fp32",
-        1,
-        {name: LevelLatency(10.0 * (i + 1), 0.1 * (i + 1), 1.0 * (i + 1)) for i, name in enumerate(model.available_levels())},
-    )
-    return model
+    return fixed_profile_model(package)
 
 
 def test_sdk_slo_picks_the_largest_feasible_level(model):

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from device_sdk.format import MANIFEST, Manifest, read_manifest
-from device_sdk.latency import SLO, LatencyProfile, LevelLatency, choose_level, usable_levels
+from device_sdk.latency import SLO, choose_level, usable_levels
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import best_feasible_pair, tlm_decider
 from pipeline.evaluate import apply_quality
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.sdk_packages import fixed_profile_model, signing_key, tiny_package
 
 KEY = signing_key()
 
@@ -27,12 +27,7 @@ def package(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def model(package) -> ElasticModel:
-    model = ElasticModel.load(package, allow_unsigned=True)
-    # A fixed profile (level i: TPOT i + 1 ms), so decisions do not depend on the test machine.
-    model.latency_profile = LatencyProfile(
-        "fp32", 1, {name: LevelLatency(10.0 * (i + 1), 0.1 * (i + 1), 1.0 * (i + 1))
-                    for i, name in enumerate(model.available_levels())})
-    return model
+    return fixed_profile_model(package)
 
 
 def mark_unusable(model: ElasticModel, *names: str) -> None:
