@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint unit assets venv bench clean services
+.PHONY: demo test lint unit assets venv bench clean services llama-cpp
 
 venv: $(STAMP)
 
@@ -46,3 +46,12 @@ bench: assets
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# llama.cpp (llama-cpp-python) in its own venv, for the device bench's rival and the GGUF export's
+# tests; nothing of ours goes in it.
+LLAMA_VENV ?= .venv-llama
+llama-cpp: $(LLAMA_VENV)/.installed
+$(LLAMA_VENV)/.installed: requirements/llama-cpp.txt
+	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/llama-cpp.txt
+	touch $@
