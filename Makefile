@@ -35,7 +35,7 @@ services:
 	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
 	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
-test: assets lint services
+test: assets lint services llama-cpp
 	$(PY) -m pytest tests
 
 demo: assets
