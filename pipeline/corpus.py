@@ -317,6 +317,16 @@ def general_texts(settings: CorpusSettings) -> list[dict]:
     return records
 
 
+def calibration_passages() -> str:
+    """The packaged passages of the default corpus settings outside the held-out groups, as one text.
+
+    Importance profiled on these reads the same kind of text recovery trains on, without the
+    generated answers (which need the elastified package the profile comes before).
+    """
+    settings = CorpusSettings(ptb_lines_per_text=0)
+    return "\n\n".join(r["text"] for r in general_texts(settings) if not is_heldout(r["group"], settings))
+
+
 def _decontaminate_text(record: dict, sets: EvaluationSets, min_words: int) -> tuple[dict | None, int]:
     """Plain text keeps its other lines when one meets an evaluation set; returns (record or None, lines cut)."""
     kept, cut = [], 0
@@ -431,6 +441,25 @@ def _read_jsonl(path: Path) -> list[dict]:
 def load_recovery_texts(corpus_dir: Path) -> list[str]:
     """The recovery texts in corpus order (generated conversations, then passages and PTB-train chunks)."""
     return [r["text"] for r in _read_jsonl(Path(corpus_dir) / RECOVERY_FILE)]
+
+
+def corpus_kind(source: str) -> str:
+    """The kind (settings.CorpusKind) of a recovery record's `source`."""
+    if source.startswith("generated:"):
+        return "generated"
+    if source.endswith("-passages"):
+        return "passages"
+    if source == "ptb-train":
+        return "ptb"
+    raise CorpusError(f"recovery record source {source!r} is of no known kind")
+
+
+def load_recovery_kinds(corpus_dir: Path) -> dict[str, list[str]]:
+    """The recovery texts grouped by kind, each group in corpus order."""
+    kinds: dict[str, list[str]] = {}
+    for record in _read_jsonl(Path(corpus_dir) / RECOVERY_FILE):
+        kinds.setdefault(corpus_kind(record["source"]), []).append(record["text"])
+    return kinds
 
 
 def load_heldout_texts(corpus_dir: Path) -> list[str]:

@@ -38,7 +38,7 @@ from device_sdk.elastic import ElasticLinear
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.lora import adapter_metadata, canonical_key, lora_scale, read_adapter
 from device_sdk.lora import tensor_names as lora_tensor_names
-from pipeline.calibration import make_windows, text_windows
+from pipeline.calibration import make_windows, mixed_windows
 from pipeline.contract import StageSettings
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
 from pipeline.settings import RecoverSettings
@@ -212,10 +212,12 @@ def corpus_batches(tokenizer, settings: RecoverSettings) -> list[tuple[torch.Ten
     return [(w, w) for w in windows.split(settings.batch_size)]
 
 
-def text_batches(tokenizer, texts: list[str], settings: RecoverSettings) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of seeded windows over given texts (a recovery corpus directory's), like `corpus_batches`."""
-    windows = text_windows(tokenizer, texts, settings.steps * settings.batch_size, settings.seq_len, settings.seed)
-    return [(w, w) for w in windows.split(settings.batch_size)]
+def mixed_batches(tokenizer, texts_by_kind: dict[str, list[str]], settings: RecoverSettings
+                  ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict[str, dict]]:
+    """Batches of seeded windows over a recovery corpus's kinds of text in `settings.mix` proportions."""
+    windows, stats = mixed_windows(tokenizer, texts_by_kind, settings.mix, settings.steps * settings.batch_size,
+                                   settings.seq_len, settings.seed)
+    return [(w, w) for w in windows.split(settings.batch_size)], stats
 
 
 # --------------------------------------------------------------------------- loss and training
@@ -528,12 +530,13 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         raise RecoverError("recover trains one level: set `level` (the chain's fan-out sets one per shard)")
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
+    mix_stats = None  # windows per kind of corpus text, when training on a recovery corpus
     if settings.instructions:
         batches = instruction_batches(tokenizer, Path(settings.instructions), settings)
     elif corpus_dir is not None:
-        from pipeline.corpus import load_recovery_texts
+        from pipeline.corpus import load_recovery_kinds
 
-        batches = text_batches(tokenizer, load_recovery_texts(Path(corpus_dir)), settings)
+        batches, mix_stats = mixed_batches(tokenizer, load_recovery_kinds(Path(corpus_dir)), settings)
     else:
         batches = corpus_batches(tokenizer, settings)
     eval_windows = make_windows(tokenizer, settings.eval_corpus, settings.eval_windows, settings.seq_len,
@@ -575,6 +578,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         "train_tokens": sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in batches),
         "warm_start_from": str(init_adapter) if init_adapter is not None else None,
         "corpus_dir": str(corpus_dir) if corpus_dir is not None else None,  # else settings.corpus / instructions
+        "mix": mix_stats,
         "settings": settings.model_dump(mode="json"),
     }
 

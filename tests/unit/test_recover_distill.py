@@ -204,11 +204,19 @@ def test_recover_trains_on_a_recovery_corpus_directory(package, corpus, tmp_path
     directory = tmp_path / "corpus"
     directory.mkdir()
     texts = [t for t in corpus.read_text().split("\n") if t.strip()]
-    (directory / RECOVERY_FILE).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    settings = {**FAST, "level": "0.5", "corpus": ["/no/such/named/corpus.txt"], "eval_corpus": [str(corpus)]}
+    # A small "generated" kind and a large "ptb" kind; no passages, so the mix is renormalised over the two.
+    records = [{"source": "generated:squad", "text": t} for t in texts[:4]] + [
+        {"source": "ptb-train", "text": t} for t in texts[4:]]
+    (directory / RECOVERY_FILE).write_text("".join(json.dumps(r) + "\n" for r in records))
+    settings = {**FAST, "level": "0.5", "corpus": ["/no/such/named/corpus.txt"], "eval_corpus": [str(corpus)],
+                "mix": {"generated": 0.5, "passages": 0.3, "ptb": 0.2}}
     metrics = json.loads(Path(_run({"package": package, "corpus": directory}, settings, tmp_path / "out")["metrics"])
                          .read_text())
     assert metrics["steps"] == FAST["steps"]  # trained on the directory's texts, not the named (missing) corpus
+    windows = FAST["steps"] * FAST["batch_size"]
+    assert set(metrics["mix"]) == {"generated", "ptb"}
+    assert metrics["mix"]["generated"]["windows"] + metrics["mix"]["ptb"]["windows"] == windows
+    assert metrics["mix"]["generated"]["windows"] == round(windows * 0.5 / 0.7)
 
 
 def test_text_windows_match_the_named_corpus_windows(corpus):
