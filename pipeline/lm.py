@@ -50,16 +50,47 @@ def nll_from_hidden(lm_head, hidden: torch.Tensor, input_ids: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def mean_nll(model, windows: torch.Tensor, batch_size: int = 4, progress=None) -> float:
-    total, count = 0.0, 0
+def window_nlls(model, windows: torch.Tensor, batch_size: int = 4, progress=None) -> list[float]:
+    """Mean next-token NLL of each window of `windows` [N, T], run `batch_size` windows at a time."""
+    nlls: list[float] = []
     for start in range(0, windows.shape[0], batch_size):
-        loss, n = nll_sum(model, windows[start : start + batch_size])
-        total += loss.item()
-        count += n
+        batch = windows[start : start + batch_size]
+        nlls += [total / (batch.shape[1] - 1) for total in _row_nll_sums(model, batch)]
         if progress is not None:
             progress(min(start + batch_size, windows.shape[0]), windows.shape[0])
-    return total / count
+    return nlls
+
+
+def _row_nll_sums(model, batch: torch.Tensor) -> list[float]:
+    """Summed NLL of each row of a batch, from one forward pass over the batch."""
+    if isinstance(model, ElasticModel):
+        with torch.inference_mode():
+            hidden, head = model.transformer.hidden_states(batch), model.transformer.lm_head
+    else:
+        hidden, head = model.model(input_ids=batch, use_cache=False).last_hidden_state, model.lm_head
+    return [nll_from_hidden(head, hidden[row : row + 1], batch[row : row + 1])[0].item() for row in range(len(batch))]
+
+
+def mean_nll(model, windows: torch.Tensor, batch_size: int = 4, progress=None) -> float:
+    """Mean next-token NLL over all windows (they have equal length, so the mean of the windows' means)."""
+    nlls = window_nlls(model, windows, batch_size, progress)
+    return sum(nlls) / len(nlls)
 
 
 def perplexity(model, windows: torch.Tensor, batch_size: int = 4, progress=None) -> float:
     return math.exp(mean_nll(model, windows, batch_size, progress))
+
+
+def paired_ratio(nlls: list[float], reference_nlls: list[float], z: float = 1.96) -> dict:
+    """Perplexity ratio exp(mean(nll - reference)) over the same windows, with its normal-approximation interval.
+
+    Pairing by window takes out how hard each window is, which dominates the spread of either
+    side alone; `se` is the standard error of the mean per-window NLL difference (nats).
+    """
+    if len(nlls) != len(reference_nlls) or len(nlls) < 2:
+        raise ValueError(f"need two equal lists of at least 2 windows, got {len(nlls)} and {len(reference_nlls)}")
+    diffs = [a - b for a, b in zip(nlls, reference_nlls, strict=True)]
+    mean = sum(diffs) / len(diffs)
+    se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+    return {"ratio": math.exp(mean), "low": math.exp(mean - z * se), "high": math.exp(mean + z * se),
+            "se_nats": se, "windows": len(diffs)}

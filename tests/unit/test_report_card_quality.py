@@ -129,3 +129,31 @@ def test_publish_puts_the_verdict_and_the_plot_in_the_signed_package(recovered_p
     assert evaluate.QUALITY_PLOT in {entry.path for entry in manifest.files}
     assert [(shape.name, shape.usable) for shape in manifest.elastic.levels] == [("0.5", False), ("1.0", True)]
     assert manifest.elastic.level("0.5").quality["top1_agreement"] == 0.4
+
+
+def test_window_nlls_are_each_windows_own_loss_whatever_the_batch(recovered_package, calib_text):
+    from pipeline.calibration import make_windows
+    from pipeline.elastic_model import serving_model
+    from pipeline.lm import nll_sum, window_nlls
+
+    model = serving_model(recovered_package)
+    model.set_level("0.5")
+    windows = make_windows(byte_tokenizer(), str(calib_text), 5, 24, seed=4)
+    batched = window_nlls(model, windows, batch_size=3)  # a full batch and a ragged one
+    alone = [nll_sum(model, w[None])[0].item() / 23 for w in windows]
+    assert batched == pytest.approx(alone, rel=1e-5)
+    assert len(set(round(x, 6) for x in batched)) == 5  # five different windows, five different losses
+
+
+def test_paired_ratio_interval():
+    from pipeline.lm import paired_ratio
+
+    same = paired_ratio([2.0, 3.0, 4.0], [2.0, 3.0, 4.0])
+    assert same["ratio"] == 1.0 and same["low"] == same["high"] == 1.0
+    # every window 0.1 to 0.3 nats worse: ratio exp(0.2), interval from the spread of the differences only
+    shifted = paired_ratio([5.1, 1.3, 9.2, 4.2], [5.0, 1.0, 9.0, 4.0])
+    assert shifted["ratio"] == pytest.approx(math.exp(0.2))
+    assert shifted["se_nats"] == pytest.approx(math.sqrt(((0.1 - 0.2) ** 2 + 0.1**2 + 0 + 0) / 3 / 4))
+    assert shifted["low"] < shifted["ratio"] < shifted["high"] and shifted["low"] > 1.0
+    with pytest.raises(ValueError, match="equal lists"):
+        paired_ratio([1.0, 2.0], [1.0])
