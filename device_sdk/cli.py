@@ -119,8 +119,9 @@ def cmd_serve(args) -> int:
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
     server = make_server(model, args.host, args.port, args.max_queue)
-    print(f"serving {model.manifest.name} {model.manifest.version} on http://{args.host}:{server.server_address[1]}"
-          "/v1/completions", flush=True)
+    base = f"http://{args.host}:{server.server_address[1]}/v1"
+    chat = f" and {base}/chat/completions" if server.service.chat_template else " (no chat template in the package)"
+    print(f"serving {model.manifest.name} {model.manifest.version} on {base}/completions{chat}", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, help, handler in (
         ("profile", "measure this device's per-level TTFT and TPOT; saved beside the package", cmd_profile),
         ("generate", "generate once, streaming to stdout", cmd_generate),
-        ("serve", "OpenAI-style /v1/completions with an slo field", cmd_serve),
+        ("serve", "OpenAI-compatible /v1/completions and /v1/chat/completions, with an slo field", cmd_serve),
     ):
         command = package_command(name, help, handler)
         command.add_argument("--quantize", choices=("int8", "fp16"), help="weight format at load")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -77,8 +77,54 @@ class Generation:
     tpot_ms: float | None  # None when only one token was generated
     slo_met: bool
     prompt_tokens: int
-    finish_reason: str  # "stop" (end of sequence) or "length"
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
     decision: Decision = field(repr=False, default=None)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sample instead of taking the argmax: softmax at `temperature`, kept to the smallest set of
+    tokens whose probability reaches `top_p` (nucleus). Temperature 0 is greedy. The same `seed`
+    with the same prompt and level gives the same tokens; no seed draws one from the OS."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def picker(self) -> Callable[[torch.Tensor], int]:
+        """A token chooser for one generation (it owns its random generator)."""
+        if self.temperature == 0:
+            return _greedy
+        generator = torch.Generator()
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+
+        def pick(logits: torch.Tensor) -> int:
+            probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+            if self.top_p >= 1.0:
+                return int(torch.multinomial(probs, 1, generator=generator))
+            ranked, order = probs.sort(descending=True)
+            ranked = ranked * ((ranked.cumsum(-1) - ranked) < self.top_p)  # the top one always stays
+            return int(order[torch.multinomial(ranked, 1, generator=generator)])
+
+        return pick
+
+
+def _greedy(logits: torch.Tensor) -> int:
+    return int(logits.argmax())
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of `text` could be the start of a stop string (not yet shown)."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
 
 
 class GenerationStream:
@@ -284,12 +330,18 @@ class ElasticModel:
         self._profile = profile
 
     def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
-                 level: str | float | None = None, profile: str | None = None, experts: str | None = None):
-        """Greedy generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
+                 level: str | float | None = None, profile: str | None = None, experts: str | None = None,
+                 sampling: Sampling | None = None, stop: Sequence[str] = ()):
+        """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
+        Greedy unless `sampling` says otherwise. Generation ends at the end-of-sequence token, at
+        `max_new_tokens`, or at the first of the `stop` strings, which is left out of the text
+        (finish_reason "stop"); streamed text holds back what could be the start of a stop string.
         With `stream=True` returns a GenerationStream of text pieces; else a Generation.
         """
-        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts)
+        if any(not s for s in stop):
+            raise ValueError("a stop string must not be empty")
+        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop))
         if stream:
             return GenerationStream(steps)
         try:
@@ -300,7 +352,7 @@ class ElasticModel:
 
     @torch.inference_mode()
     def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
-                  experts=None) -> Iterator[str]:
+                  experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = ()) -> Iterator[str]:
         started = time.perf_counter()
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
@@ -323,30 +375,43 @@ class ElasticModel:
         self._clone_setup(prompt, slo, len(ids), profile, experts)
         max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
         cache = self.transformer.new_cache(max_len)
+        pick = (sampling or Sampling(temperature=0)).picker()
         tokens: list[int] = []
         stamps: list[float] = []
-        text = ""
+        shown = 0  # characters of the decoded text already yielded
+        stopped = False
         next_input = torch.tensor([ids])
         while len(tokens) < max_new_tokens and cache.length < max_len:
             logits = self.transformer(next_input, cache, last_only=True)
-            token = int(logits[0, -1].argmax())
+            token = pick(logits[0, -1])
             stamps.append(time.perf_counter())
             tokens.append(token)
             if token in self.eos_ids:
                 break
             decoded = self.tokenizer.decode(tokens)
             if not decoded.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                piece, text = decoded[len(text):], decoded
-                if piece:
-                    yield piece
+                found = [at for at in (decoded.find(s) for s in stops) if at >= 0]
+                if found:
+                    stopped = True
+                    if min(found) > shown:
+                        yield decoded[shown:min(found)]
+                    break
+                end = len(decoded) - _held_back(decoded, stops)
+                if end > shown:
+                    yield decoded[shown:end]
+                    shown = end
             next_input = torch.tensor([[token]])
         text = self.tokenizer.decode([t for t in tokens if t not in self.eos_ids])
+        if stopped:
+            text = text[:min(at for at in (text.find(s) for s in stops) if at >= 0)]
+        elif len(text) > shown:  # what was held back for a stop string that never came
+            yield text[shown:]
         ttft_ms = (stamps[0] - started) * 1000
         tpot_ms = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1) if len(stamps) > 1 else None
         met = True
         if slo is not None:
             target = slo.absolute(self.latency_profile, len(ids)) if slo.relative else slo
             met = target.met(ttft_ms, tpot_ms)
-        finish = "stop" if tokens[-1] in self.eos_ids else "length"
+        finish = "stop" if stopped or tokens[-1] in self.eos_ids else "length"
         return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)
 

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["api", "cluster", "workers", "pipeline", "device_sdk"]  # each may import only those after it
-DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography"}
+DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography", "jinja2"}
 
 
 def imported_roots(path: Path) -> set[str]:
@@ -62,6 +62,16 @@ def test_device_sdk_stands_alone():
         if imported_roots(path) - allowed
     }
     assert not offenders, f"device_sdk may depend only on {sorted(DEVICE_SDK_THIRD_PARTY)}: {offenders}"
+
+
+def test_device_sdk_declares_what_it_imports():
+    """Every third-party package the device SDK may import is a dependency of its own pyproject."""
+    import re
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "device_sdk" / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower() for requirement in declared}
+    assert DEVICE_SDK_THIRD_PARTY <= names
 
 
 def test_checker_catches_a_violation(tmp_path):

@@ -138,7 +138,7 @@ class BlockingModel:
         self.started = threading.Semaphore(0)
         self.level = "1.0"
 
-    def generate(self, prompt, slo=None, max_new_tokens=16, stream=False):
+    def generate(self, prompt, slo=None, max_new_tokens=16, stream=False, **sampling_and_stop):
         self.started.release()
         self.release.wait(30)
         raise RuntimeError("released")
