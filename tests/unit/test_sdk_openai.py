@@ -193,3 +193,21 @@ def test_keep_alive_survives_a_404_and_a_400(port):
     assert good.status == 200 and json.loads(good.read())["usage"]["completion_tokens"] == 2
     assert connection.sock is sock  # one connection served all three
     connection.close()
+
+
+def test_smollm2_chat_matches_transformers_template_and_answers(smollm2, smollm2_package):
+    """The real SmolLM2 package: our rendering is transformers' own, and a chat answer is sensible."""
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    template = ChatTemplate.load(smollm2_package / "model")
+    assert template.render(messages) == smollm2.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                              add_generation_prompt=True)
+    server = make_server(ElasticModel.load(smollm2_package, allow_unsigned=True), port=0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-", max_retries=0)
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24)
+        assert "Paris" in reply.choices[0].message.content
+        assert "<|im_end|>" not in reply.choices[0].message.content
+    finally:
+        server.shutdown()
+        server.server_close()
