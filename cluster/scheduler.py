@@ -137,12 +137,20 @@ class Scheduler:
     def close(self) -> None:
         """Stop: cancel my Ray tasks and hand their stages back to the queue at once."""
         for ref, info in list(self.inflight.items()):
-            ray.cancel(ref, force=True)
+            # Best effort: under SIGTERM the Ray head may be going down too (a Kubernetes pod stops all its
+            # containers at once); the stage goes back to the queue whether or not the cancel reached Ray.
+            try:
+                ray.cancel(ref, force=True)
+            except Exception as err:
+                log.warning("could not cancel the Ray task of %s: %s", info.stage_key, err)
             self._finish_attempt(info, {"ok": False, "error": "scheduler stopped", "retryable": True}, exit="interrupted")
         self.inflight.clear()
         self._drain_events()
         if self.events is not None:
-            ray.kill(self.events.actor)
+            try:
+                ray.kill(self.events.actor)
+            except Exception as err:
+                log.warning("could not stop the event queue actor: %s", err)
             self.events = None
         if self._lock_handle is not None:
             self._lock_handle.close()

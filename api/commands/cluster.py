@@ -34,24 +34,36 @@ def up(
     """
     import contextlib
 
+    import ray
+
     from api.app import ServerThread, create_app, default_registry
+    from api.lifecycle import MultiNodeStoreCheck, StopRequest
     from cluster.embedded import running_service
     from cluster.settings import Settings
 
     configure_logging()
     settings = Settings.from_env()
-    with running_service(settings, default_registry()) as scheduler:
-        api = ServerThread(create_app(settings, scheduler.registry), host, port) if port else contextlib.nullcontext()
-        with api:
-            console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
-            if port:
-                console.print(f"REST API on {api.url} (docs at {api.url}/docs, dashboard at {api.url}/dashboard); "
-                              "tokens: `elastify tokens create`")
-            console.print(f"manifests are signed by public key {settings.public_key_b64()}; Ctrl-C stops")
-            try:
-                scheduler.run()
-            except KeyboardInterrupt:
-                console.print("stopping; running stages go back to the queue")
+    stop = StopRequest().install()
+    try:
+        with running_service(settings, default_registry()) as scheduler:
+            stop.install()  # again: ray.init put its own SIGTERM handler in place
+            store_check = MultiNodeStoreCheck(settings.store_url)
+            api = ServerThread(create_app(settings, scheduler.registry), host, port) if port else contextlib.nullcontext()
+            with api:
+                console.print(f"elastify up: database {settings.database_url}, store {settings.store_url}")
+                if port:
+                    console.print(f"REST API on {api.url} (docs at {api.url}/docs, dashboard at {api.url}/dashboard); "
+                                  "tokens: `elastify tokens create`")
+                console.print(f"manifests are signed by public key {settings.public_key_b64()}; SIGTERM or Ctrl-C stops")
+                try:
+                    # Stop taking work at the signal; leaving these blocks stops the API, then hands the stages
+                    # still running back to the queue (Scheduler.close) while Ray is still up.
+                    scheduler.run(until=lambda: store_check() or stop.is_set())
+                    console.print(f"{stop.signal_name}: stopping; running stages go back to the queue")
+                except KeyboardInterrupt:  # a second Ctrl-C
+                    console.print("interrupted; running stages go back to the queue")
+    finally:
+        ray.shutdown()  # stops the Ray processes this one started (a joined cluster is only left)
 
 
 @build_app.command("submit")

@@ -131,13 +131,22 @@ def serve(
     """
     import uvicorn
 
+    from api.lifecycle import StopRequest
     from api.progress import configure_logging
 
     configure_logging()
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handler it found
+    # at start, which by default kills the process (status 143); with this one it returns, and `serve` exits 0.
+    stop = StopRequest().install()
     _sessions()  # migrate once, before the workers start
-    console.print(f"REST API on http://{host}:{port} with {workers} worker(s); Ctrl-C stops")
-    uvicorn.run("api.app:app_from_env", factory=True, host=host, port=port, workers=workers, access_log=False,
-                log_level="warning")
+    if stop.is_set():  # stopped while migrating
+        return
+    console.print(f"REST API on http://{host}:{port} with {workers} worker(s); SIGTERM or Ctrl-C stops")
+    try:
+        uvicorn.run("api.app:app_from_env", factory=True, host=host, port=port, workers=workers, access_log=False,
+                    log_level="warning", timeout_graceful_shutdown=10)  # an open log stream never ends by itself
+    except KeyboardInterrupt:  # a second Ctrl-C, raised again after the shutdown
+        pass
 
 
 def mount(app: typer.Typer) -> None:
