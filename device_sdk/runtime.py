@@ -368,6 +368,7 @@ class ElasticModel:
             decision = self.decide(prompt, len(ids), slo, self.latency_profile, levels)
         else:
             decision = Decision(levels[-1].name)
+        prompt_tokens = len(ids)  # a relative SLO is relative to the full model on the prompt as given
         if decision.prompt_ratio < 1.0 and self.compress is not None:
             ids = self.tokenizer.encode(self.compress(prompt, decision.prompt_ratio)).ids
         if decision.level != self.level:
@@ -410,7 +411,7 @@ class ElasticModel:
         tpot_ms = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1) if len(stamps) > 1 else None
         met = True
         if slo is not None:
-            target = slo.absolute(self.latency_profile, len(ids)) if slo.relative else slo
+            target = slo.absolute(self.latency_profile, prompt_tokens) if slo.relative else slo
             met = target.met(ttft_ms, tpot_ms)
         finish = "stop" if stopped or tokens[-1] in self.eos_ids else "length"
         return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)

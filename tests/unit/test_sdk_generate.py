@@ -71,6 +71,24 @@ def test_sdk_decision_hook_replaces_the_profile_rule(model):
     assert out.level == "0.5" and out.prompt_tokens == 4
 
 
+def test_a_relative_slo_is_judged_against_the_prompt_as_given_not_the_compressed_one(model, monkeypatch):
+    asked = []
+    absolute = SLO.absolute
+
+    def recording(self, profile, prompt_tokens):
+        asked.append(prompt_tokens)
+        return absolute(self, profile, prompt_tokens)
+
+    monkeypatch.setattr(SLO, "absolute", recording)
+    model.decide = lambda prompt, prompt_tokens, slo, profile, levels: Decision("0.5", prompt_ratio=0.5)
+    model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
+    out = model.generate("abcdefgh", slo=SLO.fraction(ttft=0.9, tpot=0.9), max_new_tokens=2)
+    assert out.prompt_tokens == 4  # what ran
+    assert asked == [8]  # what the target is relative to: the full model on all 8 tokens
+    assert out.slo_met == absolute(SLO.fraction(ttft=0.9, tpot=0.9), model.latency_profile, 8).met(
+        out.ttft_ms, out.tpot_ms)
+
+
 def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
     assert device_cli(["profile", str(package), "--public-key", key, "--prompt-lengths", "4", "12",
