@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import urllib.error
 from pathlib import Path
 
+from device_sdk.client import ElastifyAPIError, reason
 from device_sdk.format import PackageError, check_files, load_public_key, read_manifest
 
 
@@ -67,11 +70,43 @@ def cmd_trust_remove(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _download_bar(label: str):
+    """Yield an on_progress(done, total) drawing a byte progress bar on stderr; None when stderr is not a
+    terminal (a pipe, a log file, CI), where a bar would only be noise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    bar = Progress(TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                   console=Console(file=sys.stderr, force_terminal=True))
+    task = bar.add_task("download", total=None)
+    with bar:
+        yield lambda done, total: bar.update(task, completed=done, total=total)
+
+
 def cmd_pull(args) -> int:
     from device_sdk.registry import pull, read_local_state
 
-    path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
-                max_level=args.max_level, cache_dir=args.cache_dir)
+    try:
+        with _download_bar(f"{args.name} {args.version}") as on_progress:
+            path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
+                        max_level=args.max_level, cache_dir=args.cache_dir, on_progress=on_progress)
+    except urllib.error.HTTPError as err:  # a bucket registry's own error
+        print(f"error: the registry answered {err.code} {err.reason} for {err.url}", file=sys.stderr)
+        return 1
+    except urllib.error.URLError as err:
+        print(f"error: cannot reach the registry at {args.registry}: {reason(err.reason)}", file=sys.stderr)
+        return 1
     state = read_local_state(path)
     held = "every level" if state["max_level"] is None else f"levels <= {state['max_level']}"
     print(f"ok: {args.name} {state['version']} ({held}, {state['bytes']:,} bytes) at {path}")
@@ -199,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except (PackageError, ConnectionError) as err:  # ConnectionError: a download that may be resumed by pulling again
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ElastifyAPIError as err:
+        print(f"error: {err.describe()}", file=sys.stderr)
         return 1
 
 

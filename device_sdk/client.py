@@ -25,14 +25,25 @@ CHUNK = 1 << 20
 
 
 class ElastifyAPIError(Exception):
-    """A 4xx/5xx answer (or no answer) from the API, with the problem+json fields."""
+    """A 4xx/5xx answer from the API, with the problem+json fields; or no answer (status 0, never shown)."""
 
     def __init__(self, status: int, title: str, detail: str | None = None, problem: dict | None = None):
         self.status = status
         self.title = title
         self.detail = detail
         self.problem = problem or {}
-        super().__init__(f"{status} {title}" + (f": {detail}" if detail else ""))
+        super().__init__((f"{status} {title}" if status else title) + (f": {detail}" if detail else ""))
+
+    @property
+    def field_errors(self) -> list[tuple[str, str]]:
+        """(field, message) for each entry of the problem's `errors` (a 422 lists every invalid field)."""
+        entries = self.problem.get("errors")
+        return [(str(e.get("field", "")), str(e.get("message", ""))) for e in entries if isinstance(e, dict)] \
+            if isinstance(entries, list) else []
+
+    def describe(self) -> str:
+        """The message, then one indented line per field error."""
+        return str(self) + "".join(f"\n  {field}: {message}" for field, message in self.field_errors)
 
 
 @dataclass(frozen=True)
@@ -106,9 +117,9 @@ class ElastifyClient:
                     continue
                 raise _api_error(err) from None
             except urllib.error.URLError as err:
-                raise ElastifyAPIError(0, "server unreachable", f"{_origin(url)}: {err.reason}") from None
+                raise ElastifyAPIError(0, f"cannot reach the server at {_origin(url)}", reason(err.reason)) from None
             except (TimeoutError, ConnectionError, http.client.HTTPException) as err:
-                raise ElastifyAPIError(0, "no answer", f"{_origin(url)}: {err or type(err).__name__}") from None
+                raise ElastifyAPIError(0, f"no answer from the server at {_origin(url)}", reason(err)) from None
         raise ElastifyAPIError(0, "too many redirects", _origin(url))
 
     def _json(self, method: str, path: str, **kwargs) -> Any:
@@ -299,6 +310,13 @@ def _segment(value: str) -> str:
     if not value or value in (".", "..") or any(c == "/" or ord(c) < 32 or ord(c) == 127 for c in value):
         raise ValueError(f"invalid name in a URL path: {value!r}")
     return urllib.parse.quote(value, safe="")
+
+
+def reason(err) -> str:
+    """Why a connection failed, in words: "Connection refused", not "[Errno 111] Connection refused"."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err) or type(err).__name__
 
 
 def _origin(url: str) -> str:

@@ -50,10 +50,10 @@ def connected(server: str, token: str | None) -> Iterator[ElastifyClient]:
     """A client; any API error becomes a clear message and a non-zero exit (2 for a 4xx)."""
     try:
         yield ElastifyClient(server or DEFAULT_SERVER, token=token)
-    except ElastifyAPIError as err:
+    except ElastifyAPIError as err:  # the message, then every field error a 422 lists
         if 400 <= err.status < 500:
-            fail(str(err))
-        console.print(f"[bold red]error:[/] {escape(str(err))}")
+            fail(err.describe())
+        console.print(f"[bold red]error:[/] {escape(err.describe())}")
         raise typer.Exit(code=1) from None
     except ValueError as err:
         fail(str(err))

@@ -104,6 +104,7 @@ def test_client_errors_are_problems_and_never_show_the_token(api, acme):
     with pytest.raises(ElastifyAPIError) as down:
         ElastifyClient("http://127.0.0.1:9", token=secret).health()
     assert down.value.status == 0 and secret not in str(down.value)
+    assert str(down.value) == "cannot reach the server at http://127.0.0.1:9: Connection refused"
 
 
 def test_client_usage_reports_the_ledger(api):

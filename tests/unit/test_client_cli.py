@@ -176,15 +176,20 @@ def test_cli_bad_input_and_bad_tokens_are_clear_errors(cli, api, tmp_path, monke
     assert not_yaml.exit_code == 2 and "not valid YAML" in not_yaml.output
     not_mapping = cli("submit", str(spec_file(tmp_path, "- a\n- b\n")))
     assert not_mapping.exit_code == 2 and "must hold a mapping" in not_mapping.output
-    invalid = cli("submit", str(spec_file(tmp_path, "source: {model: x}\nlevels: [1.0]\n")))
+    invalid = cli("submit", str(spec_file(tmp_path, "source: {model: x}\nlevels: [1.5, 1.0]\nstages: 3\n")))
     assert invalid.exit_code == 2 and "422" in invalid.output
+    listed = [line.strip() for line in invalid.output.splitlines()[1:] if line.strip()]  # one line a field error
+    fields = {line.split(":", 1)[0].removeprefix("body.") for line in listed}
+    assert fields == {"levels", "stages", "publish"}, invalid.output
+    assert any("(0, 1]" in line for line in listed)  # each with the server's message
     assert cli("builds", "show", "0123456789abcdef").exit_code == 2
     monkeypatch.setenv("ELASTIFY_TOKEN", "elst_wrong")
     refused = cli("builds", "list")
     assert refused.exit_code == 2 and "401" in refused.output and "elst_wrong" not in refused.output
     monkeypatch.setenv("ELASTIFY_SERVER", "http://127.0.0.1:9")
     down = cli("builds", "list")
-    assert down.exit_code == 1 and "server unreachable" in down.output
+    assert down.exit_code == 1 and "cannot reach the server at http://127.0.0.1:9: Connection refused" in down.output
+    assert " 0 " not in down.output  # no status code for a server that never answered
 
 
 def test_cli_uploads_a_model_directory_and_a_file_and_lists_them(cli, api, tmp_path):

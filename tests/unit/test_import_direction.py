@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["api", "cluster", "workers", "pipeline", "device_sdk"]  # each may import only those after it
-DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography", "jinja2"}
+DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography", "jinja2", "rich"}
 
 
 def imported_roots(path: Path) -> set[str]:

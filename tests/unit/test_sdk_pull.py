@@ -272,3 +272,59 @@ def test_sdk_pull_reverifies_an_installed_copy_and_replaces_a_changed_one(regist
     pull("tiny", "1.0.0", registry=registry, public_key=key, cache_dir=tmp_path)
     assert (path / MANIFEST).read_bytes() == (published / MANIFEST).read_bytes()
     ElasticModel.load(path, public_key=key)
+
+
+class _Terminal:
+    """A stderr that says it is a terminal, keeping what was written."""
+
+    def __init__(self):
+        import io
+
+        self.buffer = io.StringIO()
+
+    def isatty(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        return self.buffer.write(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_sdk_pull_cli_draws_a_progress_bar_only_on_a_terminal(registry, tmp_path, monkeypatch, capsys):
+    import base64
+    import re
+
+    from device_sdk.cli import main as device_cli
+
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    args = ["pull", "tiny", "latest", "--registry", str(registry), "--public-key", key]
+    assert device_cli([*args, "--cache-dir", str(tmp_path / "piped")]) == 0
+    piped = capsys.readouterr()
+    assert piped.out.startswith("ok: tiny 1.0.0") and piped.err == ""  # not a terminal: no bar
+
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert device_cli([*args, "--cache-dir", str(tmp_path / "tty")]) == 0
+    drawn = terminal.buffer.getvalue()
+    state = read_local_state(tmp_path / "tty" / "tiny" / "1.0.0")
+    assert "tiny latest" in drawn and "━" in drawn
+    done, total, unit = re.findall(r"([\d.]+)/([\d.]+) (\w?B)", drawn)[-1]
+    shown = float(total) * {"B": 1, "kB": 1e3, "MB": 1e6, "GB": 1e9}[unit]
+    assert done == total and abs(shown - state["bytes"]) <= 0.01 * state["bytes"]  # the bar ends full, at the size
+    assert "ok: tiny 1.0.0" in capsys.readouterr().out
+
+
+def test_sdk_pull_cli_says_when_the_registry_cannot_be_reached(tmp_path, capsys):
+    import base64
+
+    from device_sdk.cli import main as device_cli
+
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    for registry, says in (("http://127.0.0.1:9/", "cannot reach the registry at http://127.0.0.1:9/: "),
+                           ("http://127.0.0.1:9/v1", "cannot reach the server at http://127.0.0.1:9: ")):
+        assert device_cli(["pull", "tiny", "latest", "--registry", registry, "--public-key", key,
+                           "--cache-dir", str(tmp_path)]) == 1
+        err = capsys.readouterr().err
+        assert says + "Connection refused" in err and "Traceback" not in err and " 0 " not in err
