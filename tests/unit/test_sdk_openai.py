@@ -109,6 +109,10 @@ def test_openai_stop_truncates_before_the_stop_string(client, model):
         streamed = list(client.completions.create(model="tiny", prompt="hello", max_tokens=16, stop=value, stream=True))
         assert "".join(c.choices[0].text for c in streamed) == greedy[:at]
         assert streamed[-1].choices[0].finish_reason == "stop"
+    near_miss = greedy[5] + "\x01\x02"  # its first character comes, the rest never: held back, then shown
+    streamed = client.completions.create(model="tiny", prompt="hello", max_tokens=16, stop=near_miss, stream=True)
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == greedy and chunks[-1].choices[0].finish_reason == "length"
     chat = model.generate(render(("user", "hi")), max_new_tokens=16).text
     stop, at = _stop_string(chat)
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
