@@ -335,7 +335,7 @@ def make_handler(service: CompletionService):
         def _body_bytes(self) -> bytes:
             if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
                 parts, size = [], 0
-                while (length := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)) > 0:
+                while (length := self._chunk_size()) > 0:
                     size += length
                     if size > MAX_BODY:
                         raise BodyError(413, f"the body is over {MAX_BODY} bytes")
@@ -351,6 +351,13 @@ def make_handler(service: CompletionService):
             if length < 0 or length > MAX_BODY:
                 raise BodyError(413, f"the body is over {MAX_BODY} bytes")
             return self.rfile.read(length)
+
+        def _chunk_size(self) -> int:
+            line = self.rfile.readline(1024)
+            try:
+                return int(line.split(b";")[0].strip(), 16)
+            except ValueError:
+                raise BodyError(400, f"bad chunk size line {line[:40]!r}") from None
 
         def _generation_failed(self, err: Exception):
             if isinstance(err, ValueError):  # e.g. a prompt that encodes to no tokens

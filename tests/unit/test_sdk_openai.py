@@ -215,3 +215,20 @@ def test_smollm2_chat_matches_transformers_template_and_answers(smollm2, smollm2
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_chunked_bodies_are_read_whole_and_a_bad_one_closes_the_connection(port):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    parts = [b'{"prompt": "hel', b'lo", "max_tokens": 2}']
+    connection.request("POST", "/v1/nowhere", iter(parts), {"Transfer-Encoding": "chunked"}, encode_chunked=True)
+    assert connection.getresponse().read() and connection.sock is not None
+    connection.request("POST", "/v1/completions", iter(parts), {"Transfer-Encoding": "chunked"}, encode_chunked=True)
+    good = connection.getresponse()
+    assert good.status == 200 and json.loads(good.read())["usage"]["completion_tokens"] == 2
+    connection.putrequest("POST", "/v1/completions")
+    connection.putheader("Transfer-Encoding", "chunked")
+    connection.endheaders(b"zz\r\n{}\r\n0\r\n\r\n")
+    bad = connection.getresponse()
+    assert bad.status == 400 and "chunk size" in json.loads(bad.read())["error"]["message"]
+    assert bad.getheader("Connection") == "close"
+    connection.close()
