@@ -36,8 +36,8 @@ class JobStoreCollector(Collector):
                 select(Stage.type, func.count(), func.sum(Attempt.wall_seconds), *columns).select_from(Attempt)
                 .join(Stage, Stage.id == Attempt.stage_id).where(finished).group_by(Stage.type)
             ).all()
-            gpu = session.execute(
-                select(Stage.type, func.sum(Attempt.gpu_seconds)).select_from(Attempt)
+            compute = session.execute(
+                select(Stage.type, func.sum(Attempt.gpu_seconds), func.sum(Attempt.cpu_seconds)).select_from(Attempt)
                 .join(Stage, Stage.id == Attempt.stage_id).group_by(Stage.type)
             ).all()
             expiries = session.scalar(select(func.count()).select_from(Attempt).where(Attempt.exit == "lease_expired"))
@@ -55,9 +55,15 @@ class JobStoreCollector(Collector):
         yield histogram
         gpu_seconds = CounterMetricFamily("elastify_gpu_seconds", "GPU-seconds of all attempts (failed ones too)",
                                           labels=["stage_type"])
-        for stage_type, seconds in gpu:
-            gpu_seconds.add_metric([stage_type], float(seconds or 0.0))
+        # CPU time the stage processes used (user + system), as `usage` and the dashboard's CPU-hours report it:
+        # a CPU-only deployment's GPU series stays at zero.
+        cpu_seconds = CounterMetricFamily("elastify_cpu_seconds", "CPU-seconds of all attempts (failed ones too)",
+                                          labels=["stage_type"])
+        for stage_type, gpu, cpu in compute:
+            gpu_seconds.add_metric([stage_type], float(gpu or 0.0))
+            cpu_seconds.add_metric([stage_type], float(cpu or 0.0))
         yield gpu_seconds
+        yield cpu_seconds
         yield CounterMetricFamily("elastify_lease_expiries", "Stage leases that expired (a worker or scheduler died)",
                                   value=expiries)
 
