@@ -9,6 +9,7 @@ Here the signal only asks the loop to stop; the stop itself runs in the main thr
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -17,30 +18,90 @@ from urllib.parse import urlparse
 log = logging.getLogger("elastify")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 NODE_CHECK_SECONDS = 30.0  # nodes join an autoscaling cluster after start: look again this often
+# How long the clean stop may take before the stages are handed back through the database alone: well inside
+# Kubernetes' default grace period (30 s), and before Ray's driver gives up on a dead GCS (60 s) and exits 1.
+STOP_GRACE_SECONDS = 15.0
 
 
 class StopRequest:
-    """Set by the first SIGTERM or SIGINT; a second SIGINT (an impatient Ctrl-C) interrupts at once."""
+    """Set by the first SIGTERM or SIGINT; a second SIGINT (an impatient Ctrl-C) interrupts at once.
+
+    Python runs a signal handler only when the main thread gets back to Python code, and a Ray call waiting on a
+    GCS that the same signal stopped never does. So the signal also reaches a thread, through the byte that
+    Python's C-level handler writes to the wakeup fd at once, and that thread sets the request.
+    """
 
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signal_name: str | None = None
+        self._interrupts = 0
+        self._wakeup: int | None = None
 
     def install(self) -> StopRequest:
         """Take over both signals (after `ray.init`, which sets its own SIGTERM handler); main thread only."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._handle)
+        if self._wakeup is None:
+            read, self._wakeup = os.pipe()
+            os.set_blocking(self._wakeup, False)
+            threading.Thread(target=self._read_wakeups, args=(read,), name="elastify-signals", daemon=True).start()
+        signal.set_wakeup_fd(self._wakeup, warn_on_full_buffer=False)
         return self
 
-    def _handle(self, signum, frame) -> None:
-        if self.event.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+    def _request(self, signum: int) -> None:
         if not self.event.is_set():
             self.signal_name = signal.Signals(signum).name
-        self.event.set()
+            self.event.set()
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT:
+            self._interrupts += 1
+            if self._interrupts > 1:
+                raise KeyboardInterrupt
+        self._request(signum)
+
+    def _read_wakeups(self, read: int) -> None:
+        while received := os.read(read, 64):
+            for signum in received:
+                if signum in STOP_SIGNALS:
+                    self._request(signum)
 
     def is_set(self) -> bool:
         return self.event.is_set()
+
+
+class StopWatch:
+    """Announces the stop when the signal comes, and makes sure it ends within `grace` seconds with the stages
+    handed back, even when the same signal stopped Ray too (systemd's default KillMode=control-group signals
+    every process of the service; a Kubernetes pod stops the Ray head's container beside `elastify up`'s): a Ray
+    call of the scheduler may then block until Ray's driver aborts the process.
+
+    Call `stopped()` once the scheduler has closed; if that has not happened within `grace`, a thread releases
+    the scheduler's leases through the database and exits the process with 0.
+    """
+
+    def __init__(self, stop: StopRequest, scheduler, grace: float = STOP_GRACE_SECONDS) -> None:
+        self.stop, self.scheduler, self.grace = stop, scheduler, grace
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="elastify-stop", daemon=True).start()
+
+    def stopped(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        self.stop.event.wait()
+        log.info("%s: stopping; running stages go back to the queue", self.stop.signal_name)
+        if self._closed.wait(self.grace):
+            return
+        log.warning("the stop is stuck on Ray after %.0f s (was Ray stopped too?): handing running stages back "
+                    "through the database", self.grace)
+        try:
+            released = self.scheduler.release_leases()
+            log.info("%d stage(s) back in the queue", released)
+        except Exception as err:  # their leases expire instead, and another scheduler requeues them
+            log.error("could not release the leases (%s); they expire in %.0f s", err, self.scheduler.settings.lease_seconds)
+        logging.shutdown()
+        os._exit(0)
 
 
 def is_local_store(store_url: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import exists, func, select, text, true, update
 from sqlalchemy.orm import aliased
 
 from cluster.capacity import current_capacity
@@ -113,6 +113,7 @@ class Scheduler:
         """Take the SQLite writer lock if needed, prepare the store, open the event queue on Ray."""
         if is_sqlite(self.settings.database_url):
             self._take_sqlite_lock()
+            self._requeue_expired(unexpired_too=True)
         try:
             self.store.ensure_ready()
         except StoreError as err:  # the store may come back; stages that need it retry, then fail clearly
@@ -156,6 +157,33 @@ class Scheduler:
             self._lock_handle.close()
             self._lock_handle = None
         self.engine.dispose()
+
+    def release_leases(self, error: str = "scheduler stopped") -> int:
+        """Hand every stage this scheduler holds back to the queue through the database alone, for a stop while
+        Ray goes down too (its head stopped by the same SIGTERM), when close() would block on Ray. Attempts are
+        charged up to now and, as in close(), the interruption spends none of the stage's attempts."""
+        now = utcnow()
+        with self.sessions.begin() as session:
+            # Wait briefly for locks: the loop may be stuck inside a transaction, holding them until the process
+            # ends. Then this gives up, and the leases expire (and `up` on SQLite requeues them when it starts).
+            if is_sqlite(self.settings.database_url):
+                session.execute(text("PRAGMA busy_timeout = 2000"))
+            else:
+                session.execute(text("SET LOCAL lock_timeout = '2s'"))
+            held = session.scalars(
+                select(Stage).where(Stage.lease_owner == self.owner, Stage.status == Status.RUNNING.value)
+            ).all()
+            for stage in held:
+                running = session.scalars(select(Attempt).where(
+                    Attempt.stage_id == stage.id, Attempt.worker == self.owner, Attempt.status == Status.RUNNING.value))
+                for attempt in running:
+                    wall = max(0.0, (now - attempt.started_at).total_seconds())
+                    if advance(session, Attempt, attempt.id, Status.RUNNING, Status.FAILED, exit="interrupted",
+                               error=error, ended_at=now, wall_seconds=wall, gpu_seconds=wall * attempt.num_gpus):
+                        stage.attempts -= 1
+                cancelled = session.scalar(select(Build.cancel_requested).where(Build.id == stage.build_id))
+                self._after_failure(session, stage, error, True, cancelled)
+        return len(held)
 
     def run(self, until: Callable[[], bool] | None = None, idle_exit: bool = False, timeout: float | None = None) -> None:
         """Tick until `until()` is true, or (with idle_exit) no work is left, or `timeout` seconds pass."""
@@ -225,13 +253,16 @@ class Scheduler:
                 .values(heartbeat_at=utcnow())
             )
 
-    def _requeue_expired(self) -> None:
-        """Stages whose lease ran out (their scheduler died) go back to the queue, or fail when out of attempts."""
+    def _requeue_expired(self, unexpired_too: bool = False) -> None:
+        """Stages whose lease ran out (their scheduler died) go back to the queue, or fail when out of attempts.
+
+        `unexpired_too`: every other scheduler's lease, for a scheduler that holds the SQLite writer lock at start
+        (no other can be running, so the holder died: its stages need not wait out their lease)."""
+        lapsed = true() if unexpired_too else Stage.lease_expires_at < utcnow()
         with self.sessions.begin() as session:
             expired = session.scalars(
                 select(Stage)
-                .where(Stage.status == Status.RUNNING.value, Stage.lease_expires_at < utcnow(),
-                       Stage.lease_owner != self.owner)
+                .where(Stage.status == Status.RUNNING.value, lapsed, Stage.lease_owner != self.owner)
                 .with_for_update(skip_locked=True)
             ).all()
             for stage in expired:

@@ -37,16 +37,17 @@ def up(
     import ray
 
     from api.app import ServerThread, create_app, default_registry
-    from api.lifecycle import MultiNodeStoreCheck, StopRequest
+    from api.lifecycle import MultiNodeStoreCheck, StopRequest, StopWatch
     from cluster.embedded import running_service
     from cluster.settings import Settings
 
     configure_logging()
     settings = Settings.from_env()
-    stop = StopRequest().install()
+    stop, watch = StopRequest().install(), None
     try:
         with running_service(settings, default_registry()) as scheduler:
             stop.install()  # again: ray.init put its own SIGTERM handler in place
+            watch = StopWatch(stop, scheduler)
             store_check = MultiNodeStoreCheck(settings.store_url)
             api = ServerThread(create_app(settings, scheduler.registry), host, port) if port else contextlib.nullcontext()
             with api:
@@ -59,11 +60,12 @@ def up(
                     # Stop taking work at the signal; leaving these blocks stops the API, then hands the stages
                     # still running back to the queue (Scheduler.close) while Ray is still up.
                     scheduler.run(until=lambda: store_check() or stop.is_set())
-                    console.print(f"{stop.signal_name}: stopping; running stages go back to the queue")
                 except KeyboardInterrupt:  # a second Ctrl-C
                     console.print("interrupted; running stages go back to the queue")
     finally:
         ray.shutdown()  # stops the Ray processes this one started (a joined cluster is only left)
+        if watch is not None:
+            watch.stopped()
 
 
 @build_app.command("submit")

