@@ -3,9 +3,11 @@ multi-node check's warning; tests/integration/test_operations_signals.py drives 
 
 from __future__ import annotations
 
+import configparser
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +75,14 @@ def test_the_check_catches_a_node_that_joins_later_warns_once_and_never_stops_th
     assert check.warned and len(asked) == 2
     assert sum("cannot read what this one wrote" in r.message for r in caplog.records) == 1
     assert MultiNodeStoreCheck("s3://bucket/p", alive_nodes=alive).warned  # an S3 store never asks Ray
+
+
+def test_the_systemd_unit_signals_elastify_up_alone_and_waits_longer_than_its_stop():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(Path(__file__).resolve().parents[2] / "infra" / "systemd" / "elastify.service")
+    service = unit["Service"]
+    assert service["ExecStart"].split()[1:3] == ["up", "--host"] and service["ExecStart"].split()[0].endswith("/elastify")
+    assert service["KillMode"] == "mixed"
+    assert int(service["TimeoutStopSec"]) > lifecycle.STOP_GRACE_SECONDS
+    assert "RAY_AUTH_MODE=disabled" in service["Environment"].split()
