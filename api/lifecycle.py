@@ -3,7 +3,8 @@
 systemd and Kubernetes stop a service with SIGTERM, then SIGKILL after a grace period. Ray's driver installs a
 SIGTERM handler that kills the local Ray processes and exits with 1 while the scheduler still has tasks on them,
 so the scheduler's clean stop (cancel its tasks, hand their stages back to the queue) ran against a dead Ray.
-Here the signal only asks the loop to stop; the stop itself runs in the main thread, in order.
+Here the signal only asks the loop to stop; the stop itself runs in the main thread, in order, unless Ray
+went down with the same signal and blocks it (then StopWatch hands the stages back through the database).
 """
 
 from __future__ import annotations
