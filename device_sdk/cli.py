@@ -166,6 +166,33 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from device_sdk.registry import verify_local
+
+    verify_local(args.package, args.public_key, allow_unsigned=args.allow_unsigned)
+    which = {"level": args.level, "profile": args.profile}
+    if args.format == "peft":
+        from device_sdk.export import export_peft_adapters
+
+        written = export_peft_adapters(args.package, args.out)
+        print(f"ok: peft adapters of levels {', '.join(written) or 'none (the package has no recovery adapters)'} "
+              f"in {args.out}")
+        return 0
+    if (args.level is None) == (args.profile is None):
+        print("error: give --level or --profile", file=sys.stderr)
+        return 2
+    if args.format == "gguf":
+        from device_sdk.export_gguf import export_gguf
+
+        out = export_gguf(args.package, args.out, dtype=args.type or "f16", **which)
+    else:
+        from device_sdk.export import export_hf
+
+        out = export_hf(args.package, args.out, dtype=args.type or "f32", merge=not args.unmerged, **which)
+    print(f"ok: {args.format} export at {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="elastify-device")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -228,6 +255,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, default=4, help="waiting requests beyond which clients get 503")
+
+    export = package_command("export", "write one level (or CLONE profile), its recovery LoRA merged in, as a GGUF "
+                                       "file (llama.cpp) or a transformers directory; or every level's peft adapter",
+                             cmd_export)
+    export.add_argument("--format", choices=("gguf", "hf", "peft"), required=True)
+    export.add_argument("--level", help="the level to export")
+    export.add_argument("--profile", help="a CLONE profile to export instead of a level (no LoRA)")
+    export.add_argument("--type", choices=("f32", "f16", "bf16", "q8_0"),
+                        help="weights: gguf f16 (default), q8_0 or f32; hf f32 (default), f16 or bf16")
+    export.add_argument("--unmerged", action="store_true",
+                        help="hf: leave the LoRA out of the weights and write it as a peft adapter in OUT/peft")
+    export.add_argument("--out", type=Path, required=True, help="the .gguf file or the directory to write")
 
     args = parser.parse_args(argv)
     try:
