@@ -52,7 +52,7 @@ PACKAGE = "probe-a"
 class Case:
     group: str
     name: str
-    expected: str  # a status ("413"), "4xx", "refused" (non-zero exit, a message) or "hidden" (a 200 showing none of A's)
+    expected: str  # a status ("413"), "4xx", "refused" (non-zero exit, a message) or "200 checked" (see Probe.http)
     outcome: int | None  # HTTP status or exit code; None: no answer within the timeout
     message: str
     field: str | None  # the field a 4xx must name (the intended reason), if any
@@ -70,19 +70,19 @@ class Probe:
         return {"Authorization": f"Bearer {self.tokens[tenant]}"} if tenant else {}
 
     def http(self, group: str, name: str, method: str, path: str, tenant: str | None = "beta",
-             status: int | None = None, field: str | None = None, hidden: Callable[[dict], bool] | None = None,
+             status: int | None = None, field: str | None = None, check: Callable[[dict], bool] | None = None,
              **request) -> Case:
         """One request; refused if it answers `status` (any 4xx if None) and its problem names `field`
-        (when given: refused for the reason the case is about), or, for `hidden`, a 200 whose body
-        `hidden` accepts."""
+        (when given: refused for the reason the case is about), or, with `check`, if it answers 200 with
+        a body `check` accepts (a list showing none of A's, say)."""
         headers = {**self.auth(tenant), **request.pop("headers", {})}
         started = time.monotonic()
         try:
             with httpx.Client(base_url=self.url, timeout=REQUEST_TIMEOUT) as client:
                 response = client.request(method, path, headers=headers, **request)
             answer, message = response.status_code, _problem_text(response)
-            if hidden is not None:
-                refused = answer == 200 and hidden(response.json())
+            if check is not None:
+                refused = answer == 200 and check(response.json())
             else:
                 named = _problem_fields(response)
                 refused = (answer == status if status else 400 <= answer < 500) and (
@@ -91,7 +91,7 @@ class Probe:
             answer, message, refused = None, f"no answer within {REQUEST_TIMEOUT} s", False
         except httpx.TransportError as err:  # e.g. the server closed the connection mid-body: not a clear answer
             answer, message, refused = None, f"{type(err).__name__}: {err}", False
-        expected = "hidden" if hidden else str(status) if status else "4xx"
+        expected = "200 checked" if check else str(status) if status else "4xx"
         return self._record(group, name, expected, answer, message, field, started, refused)
 
     def cli(self, group: str, commands: list[tuple[str, list[str], dict[str, str]]]) -> None:
@@ -381,7 +381,8 @@ def _api_cases(run: Probe, setup: dict, model: Path, calibration: Path) -> None:
 
     for name, levels in (("levels that round to one name", [0.1234561, 0.1234562, 1.0]), ("a boolean level", [True]),
                          ("a level of 1e-9", [1e-9, 1.0]), ("levels not increasing", [1.0, 0.5]),
-                         ("a level above 1", [0.5, 1.5]), ("no levels", [])):
+                         ("a level above 1", [0.5, 1.5]), ("no levels", []),
+                         ("5000 levels", [round((i + 1) / 5000, 4) for i in range(5000)])):
         submit("levels", name, "levels", levels=levels)
 
     for name, stages, where in (
@@ -418,7 +419,8 @@ def _api_cases(run: Probe, setup: dict, model: Path, calibration: Path) -> None:
                        ("an archive with a symlink out",
                         tar_gz([_member("m/x", kind=tarfile.SYMTYPE, target="/etc/passwd")])),
                        ("an archive with a hard link",
-                        tar_gz([_member("m/a"), _member("m/b", kind=tarfile.LNKTYPE, target="m/a")]))):
+                        tar_gz([_member("m/a"), _member("m/b", kind=tarfile.LNKTYPE, target="m/a")])),
+                       ("an archive member 2000 directories deep", tar_gz([_member("m/" + "a/" * 2000 + "x")]))):
         run.http("sources", name, "POST", "/v1/sources", status=422, content=body,
                  headers={"Content-Type": "application/gzip"})
     run.http("sources", "an upload named ../../x", "POST", "/v1/sources", status=422, params={"name": "../../x.txt"},
@@ -434,6 +436,18 @@ def _api_cases(run: Probe, setup: dict, model: Path, calibration: Path) -> None:
             ("a file the manifest does not list", f"/v1/packages/{PACKAGE}/1/files/model/extra.bin", None)):
         # Even the owner stays inside the package and its manifest's file list.
         run.http("traversal", name, "GET", path, tenant="acme", status=422 if where else 404, field=where)
+
+    # Query strings: refused, or (the last representable day) answered with A's whole usage; never a 500.
+    run.http("query", "a page of 100,000 builds", "GET", "/v1/builds", params={"limit": 100_000}, status=422,
+             field="query.limit")
+    run.http("query", "a cursor the service did not issue", "GET", "/v1/builds", params={"cursor": "A" * 500},
+             status=400)
+    run.http("query", "A's usage until 9999-12-31", "GET", "/v1/usage", params={"until": "9999-12-31"},
+             tenant="acme", check=lambda body: body["rows"] != [])
+    run.http("query", "usage by an unknown group", "GET", "/v1/usage", params={"group_by": "zzz"}, status=422,
+             field="query.group_by.0")
+    run.http("query", "a JSON body nested 100,000 deep", "POST", "/v1/builds", status=400,
+             content=b"[" * 100_000 + b"]" * 100_000, headers={"Content-Type": "application/json"})
 
     big_spec = build_spec(str(model), calib, "probe-b")
     big_spec["publish"]["aliases"] = ["a" * 100] * 12000
@@ -477,15 +491,17 @@ def _api_cases(run: Probe, setup: dict, model: Path, calibration: Path) -> None:
              json={"version": "1"})
     submit(group, "publish under A's package name", None, 409, publish={"name": PACKAGE, "version": "2"})
     run.http(group, "list builds of owner acme", "GET", "/v1/builds", params={"owner": "acme"},
-             hidden=lambda body: body["items"] == [])
+             check=lambda body: body["items"] == [])
     run.http(group, "list packages", "GET", "/v1/packages",
-             hidden=lambda body: all(p["name"] != PACKAGE for p in body["items"]))
+             check=lambda body: all(p["name"] != PACKAGE for p in body["items"]))
     run.http(group, "list sources", "GET", "/v1/sources",
-             hidden=lambda body: all(s["digest"] != source["digest"] for s in body["items"]))
+             check=lambda body: all(s["digest"] != source["digest"] for s in body["items"]))
     run.http(group, "usage of tenant acme", "GET", "/v1/usage", params={"tenant": "acme"},
-             hidden=lambda body: body["rows"] == [])
+             check=lambda body: body["rows"] == [])
     run.http(group, "usage of A's build", "GET", "/v1/usage", params={"build": build, "group_by": "build"},
-             hidden=lambda body: body["rows"] == [])
+             check=lambda body: body["rows"] == [])
+    run.http(group, "follow A's build's logs from event 0", "GET", f"/v1/builds/{build}/logs", status=404,
+             headers={"Accept": "text/event-stream", "Last-Event-ID": "0"})
     run.http(group, "no token", "GET", f"/v1/builds/{build}", tenant=None, status=401)
     run.http(group, "a forged token", "GET", f"/v1/builds/{build}", tenant=None, status=401,
              headers={"Authorization": "Bearer elst_" + "0" * 40})

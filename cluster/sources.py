@@ -125,6 +125,9 @@ ARCHIVES = {"application/x-tar": "tar", "application/gzip": "tar", "application/
 SINGLE_FILE = "application/octet-stream"
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_MEMBERS = 10_000
+# Directories a member may lie under: Path.mkdir(parents=True) recurses once per missing level, so a member
+# 2,000 directories deep was a RecursionError (a 500 with megabytes of chained traceback in the log).
+MAX_MEMBER_DEPTH = 64
 
 
 class UploadRefused(ValueError):
@@ -141,6 +144,9 @@ def _member_path(name: str) -> Path:
     relative = PurePosixPath(name)
     if relative.is_absolute() or ".." in relative.parts or not relative.parts or "\\" in name:
         raise UploadRefused(f"archive member {name!r} leads outside the upload")
+    if len(relative.parts) > MAX_MEMBER_DEPTH:
+        raise UploadRefused(f"archive member {name[:80]!r}… lies {len(relative.parts) - 1} directories deep; "
+                            f"at most {MAX_MEMBER_DEPTH - 1} are accepted")
     return Path(*relative.parts)
 
 

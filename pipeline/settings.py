@@ -62,8 +62,10 @@ def _unique(items: list) -> list:
 
 
 # Model widths as fractions of the full model: non-empty, strictly increasing, in (0, 1]. Strict
-# numbers, so `true` is refused rather than read as level 1.0.
-Levels = Annotated[list[StrictFloat], Field(min_length=1), AfterValidator(_increasing_levels)]
+# numbers, so `true` is refused rather than read as level 1.0. At most MAX_SHARDS: recovery fans out one
+# task (and stage row) per level, so 5,000 levels in a 50 KB spec were 5,013 rows and a 30 s submit.
+Levels = Annotated[list[StrictFloat], Field(min_length=1, max_length=MAX_SHARDS),
+                   AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
 Corpora = Annotated[list[str], Field(min_length=1), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)

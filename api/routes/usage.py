@@ -35,7 +35,8 @@ def usage(
             rows = usage_rows(
                 session, groups, tenant=scope, build_id=build, stage_type=stage_type,
                 since=datetime.combine(since, time()) if since else None,
-                until=datetime.combine(until + timedelta(days=1), time()) if until else None,
+                # The last day has no next day to stop before: no upper bound (not an OverflowError, a 500).
+                until=datetime.combine(until + timedelta(days=1), time()) if until and until < date.max else None,
             )
     for row in rows:
         row["gpu_hours"], row["cpu_hours"] = row["gpu_seconds"] / 3600, row["cpu_seconds"] / 3600

@@ -15,8 +15,8 @@ from tests.integration import services
 pytestmark = pytest.mark.integration
 
 # Every kind of input the probe replays; a case list that lost a group would pass vacuously.
-GROUPS = {"levels", "settings", "capacity", "sources", "traversal", "body size", "content type", "cross-tenant",
-          "device"}
+GROUPS = {"levels", "settings", "capacity", "sources", "traversal", "query", "body size", "content type",
+          "cross-tenant", "device"}
 
 
 def test_a_hostile_tenant_is_refused_everything_and_leaves_nothing_behind(tmp_path, postgres_server, seaweedfs,
