@@ -43,6 +43,7 @@ from common import ROOT, print_table
 from device_sdk.format import WEIGHTS, read_manifest
 from pipeline.calibration import make_windows, text_windows
 from pipeline.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
+from pipeline.lm import paired_ratio
 from pipeline.settings import CorpusSettings, RecoverSettings
 from pipeline.stage import StageContext
 
@@ -90,13 +91,31 @@ class EvalSets:
 # --------------------------------------------------------------------------- package and corpus
 
 
-def prepare_package(out: Path, reuse: bool) -> Path:
+def prepare_package(out: Path, reuse: bool, calibration: str | None = None) -> Path:
+    """The bench's package, importance profiled on the build's default calibration text or on `calibration`."""
     from bench_elastilm import build_package
 
-    package = out / "package"
-    if reuse and (package / "manifest.json").is_file():
-        return package
-    return build_package(out, [0.5, 0.7, 1.0], StageContext(work_dir=out))
+    name = f"package-calibrated-{calibration}" if calibration else "package"
+    if reuse and (out / name / "manifest.json").is_file():
+        return out / name
+    return build_package(out, [0.5, 0.7, 1.0], StageContext(work_dir=out),
+                         calibration=[calibration] if calibration else None, name=name)
+
+
+def compare_calibration(args, sets: EvalSets) -> dict:
+    """Issue 13 item 3: the levels without recovery when importance is profiled on `args.compare_calibration`
+    instead of the default, at equal calibration tokens, on the same windows; paired against the default."""
+    reference = json.loads((args.out / "runs" / "reference.json").read_text())["quality"]
+    package = prepare_package(args.out, args.reuse, args.compare_calibration)
+    levels = args.levels.split(",")
+    quality = sdk_quality(package, levels, sets, args.gen_tokens, set())
+    from pipeline.settings import DEFAULT_CALIBRATION
+
+    return {"default": list(DEFAULT_CALIBRATION), "other": args.compare_calibration, "windows": "8 x 128 tokens each",
+            "levels": {lv: {"other": quality_row(quality[lv], reference["1.0"]),
+                            "other_vs_default": {n: paired_ratio(quality[lv][f"{n}_nlls"], reference[lv][f"{n}_nlls"])
+                                                 for n in ("lambada", "heldout")}}
+                       for lv in levels}}
 
 
 def corpus_settings(args) -> CorpusSettings:
@@ -179,7 +198,6 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
                 out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.corpus import load_recovery_texts
     from pipeline.elastic_model import ElasticCausalLM
     from pipeline.recover import (
         LevelViews,
@@ -187,8 +205,8 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
         corpus_batches,
         eval_loss,
         make_loss,
+        mixed_batches,
         save_adapter,
-        text_batches,
         train_torch,
         unit_major_adapter,
         warm_start,
@@ -198,11 +216,11 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
     sets = EvalSets(tokenizer, corpus_dir, args)
+    mix = None
     if method == "lm-ptb":
         batches = corpus_batches(tokenizer, settings)
-    else:
-        texts = [t for i, t in enumerate(load_recovery_texts(corpus_dir)) if i % VALIDATION_EVERY]
-        batches = text_batches(tokenizer, texts, settings)
+    else:  # the recover stage's mix of the corpus's kinds of text, without the validation slice
+        batches, mix = mixed_batches(tokenizer, training_kinds(corpus_dir), settings)
     model = ElasticCausalLM.from_package(package)
     full = max(model.elastic.levels, key=lambda lv: lv.ratio).name
     views = LevelViews(model, level)
@@ -230,8 +248,20 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
     return {"method": method, "level": level, "adapter": str(adapter), "steps": settings.steps,
             "train_tokens": settings.steps * tokens_per_step, "wall_s": round(wall, 1),
             "train_loss_first": losses[0], "train_loss_last": losses[-1], "curve": curve,
-            "warm_start_from": str(init_adapter) if init_adapter else None,
+            "warm_start_from": str(init_adapter) if init_adapter else None, "mix": mix,
             "settings": settings.model_dump(mode="json")}
+
+
+def training_kinds(corpus_dir: Path) -> dict[str, list[str]]:
+    """The corpus's texts by kind, less every VALIDATION_EVERY-th record (the validation slice)."""
+    from pipeline.corpus import RECOVERY_FILE, corpus_kind
+
+    kinds: dict[str, list[str]] = {}
+    for index, line in enumerate((corpus_dir / RECOVERY_FILE).read_text().splitlines()):
+        if index % VALIDATION_EVERY:
+            record = json.loads(line)
+            kinds.setdefault(corpus_kind(record["source"]), []).append(record["text"])
+    return kinds
 
 
 # --------------------------------------------------------------------------- SDK evaluation
@@ -241,13 +271,16 @@ def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens
     """Per level, through the device SDK (adapters as installed): perplexities, and greedy generation health
     at the levels in `generate`."""
     from pipeline.elastic_model import serving_model
-    from pipeline.lm import perplexity
+    from pipeline.lm import window_nlls
 
     model = serving_model(package)
     results = {}
     for level in levels:
         model.set_level(level)
-        row = {f"{name}_ppl": perplexity(model, windows, 4) for name, windows in sets.windows.items()}
+        row = {}
+        for name, windows in sets.windows.items():
+            row[f"{name}_nlls"] = window_nlls(model, windows, 4)
+            row[f"{name}_ppl"] = math.exp(sum(row[f"{name}_nlls"]) / len(windows))
         results[level] = row
         if level not in generate:
             continue
@@ -321,32 +354,32 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
     tokens = args.steps * args.batch_size * args.seq_len
     rows = []
     for level in sorted(args.levels.split(","), key=float, reverse=True):
-        base = reference[level]
-        rows.append({"level": level, "method": "none", "lambada_ratio": base["lambada_ppl"] / full["lambada_ppl"],
-                     "heldout_ratio": base["heldout_ppl"] / full["heldout_ppl"],
-                     "repeat4_ratio": None, "repeat4": None, **base})
+        rows.append({"level": level, "method": "none", **quality_row(reference[level], full), "repeat4": None,
+                     "repeat4_ratio": None})
         for method, data in methods.items():
             q = data["quality"][level]
-            rows.append({"level": level, "method": method, "lambada_ratio": q["lambada_ppl"] / full["lambada_ppl"],
-                         "heldout_ratio": q["heldout_ppl"] / full["heldout_ppl"],
-                         "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]) if "repeat4" in q else None,
-                         "repeat4": None, **q})
+            rows.append({"level": level, "method": method, "repeat4": None, **quality_row(q, full),
+                         "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]) if "repeat4" in q else None})
+    # Method against method on the same windows: below 1 with the whole interval is a win, not noise.
+    pairs = [("distill", "lm-corpus"), ("distill", "lm-ptb"), ("lm-corpus", "lm-ptb"), ("distill-warm", "distill")]
+    versus = {f"{a} / {b} @ {level}": {name: paired_ratio(methods[a]["quality"][level][f"{name}_nlls"],
+                                                         methods[b]["quality"][level][f"{name}_nlls"])
+                                       for name in ("lambada", "heldout")}
+              for a, b in pairs for level in args.levels.split(",")}
     second_seed = None
     if args.second_seed is not None:  # (c) at the lowest level again, another seed: how much of a gap is noise
         level = min(args.levels.split(","), key=float)
         q = json.loads((second_seed_dir(out, args.second_seed) / "runs" / "distill.json").read_text())["quality"][level]
-        second_seed = {"seed": args.second_seed, "method": "distill", "level": level,
-                       "lambada_ratio": q["lambada_ppl"] / full["lambada_ppl"],
-                       "heldout_ratio": q["heldout_ppl"] / full["heldout_ppl"],
-                       "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"]), **q}
+        second_seed = {"seed": args.second_seed, "method": "distill", "level": level, **quality_row(q, full),
+                       "repeat4_ratio": rate_ratio(q["repeat4"], full["repeat4"])}
     by = {(r["level"], r["method"]): r for r in rows}
     goals = {
         "level 0.7 LAMBADA <= 1.6x full (best method)": min(by[("0.7", m)]["lambada_ratio"] for m in METHODS) <= 1.6,
         "level 0.5 LAMBADA <= 2.5x full (best method)": min(by[("0.5", m)]["lambada_ratio"] for m in METHODS) <= 2.5,
-        "distillation (c) beats LM (b) on LAMBADA at every level": all(
-            by[(lv, "distill")]["lambada_ppl"] < by[(lv, "lm-corpus")]["lambada_ppl"] for lv in args.levels.split(",")),
-        "distillation (c) beats LM (a) and (b) on LAMBADA at every level": all(
-            by[(lv, "distill")]["lambada_ppl"] < min(by[(lv, "lm-corpus")]["lambada_ppl"], by[(lv, "lm-ptb")]["lambada_ppl"])
+        "distillation (c) beats LM (b) on LAMBADA at every level (95% interval below 1)": all(
+            versus[f"distill / lm-corpus @ {lv}"]["lambada"]["high"] < 1 for lv in args.levels.split(",")),
+        "distillation (c) beats LM (a) and (b) on LAMBADA at every level (95% interval below 1)": all(
+            max(versus[f"distill / {m} @ {lv}"]["lambada"]["high"] for m in ("lm-corpus", "lm-ptb")) < 1
             for lv in args.levels.split(",")),
         "repeat-4 rate <= 2x full at every level (method (c))": all(
             by[(lv, "distill")]["repeat4_ratio"] <= 2 for lv in args.levels.split(",")),
@@ -363,11 +396,21 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
                                                    "decoding": "greedy, device SDK ElasticModel.generate"},
         "corpus": {"dir": str(corpus_dir), "recovery": corpus_manifest["recovery"],
                    "heldout": corpus_manifest["heldout"], "generation": corpus_manifest["generation"]},
-        "full_model": full, "rows": rows, "second_seed": second_seed, "goals": goals,
+        "full_model": full, "rows": rows, "second_seed": second_seed, "versus": versus, "goals": goals,
         "curves": {m: {lv: r["curve"] for lv, r in d["runs"].items()} for m, d in methods.items()},
         "train_wall_s": {m: {lv: r["wall_s"] for lv, r in d["runs"].items()} for m, d in methods.items()},
         "total_wall_s": round(wall, 1),
     }
+
+
+def quality_row(quality: dict, full: dict) -> dict:
+    """A level's SDK quality with its perplexity ratios to the full model, each with a paired 95% interval."""
+    ratios = {}
+    for name in ("lambada", "heldout"):
+        interval = paired_ratio(quality[f"{name}_nlls"], full[f"{name}_nlls"])
+        ratios[f"{name}_ratio"] = interval["ratio"]
+        ratios[f"{name}_interval"] = [interval["low"], interval["high"]]
+    return {**quality, **ratios}
 
 
 def second_seed_dir(out: Path, seed: int) -> Path:
@@ -420,18 +463,21 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def with_interval(ratio: float, interval: list[float]) -> str:
+    return f"{ratio:.2f}x [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def report(results: dict) -> None:
-    rows = [[r["level"], r["method"], f"{r['lambada_ppl']:.1f}", f"{r['lambada_ratio']:.2f}x",
-             f"{r['heldout_ppl']:.2f}", f"{r['heldout_ratio']:.2f}x",
-             "-" if r["repeat4"] is None else f"{r['repeat4']:.3f}",
-             "-" if r["repeat4"] is None else f"{r['repeat4_ratio']:.2f}x"]
-            for r in results["rows"]]
+    def row(r: dict, method: str) -> list:
+        return [r["level"], method, f"{r['lambada_ppl']:.1f}", with_interval(r["lambada_ratio"], r["lambada_interval"]),
+                f"{r['heldout_ppl']:.2f}", with_interval(r["heldout_ratio"], r["heldout_interval"]),
+                "-" if r["repeat4"] is None else f"{r['repeat4']:.3f}",
+                "-" if r["repeat4_ratio"] is None else f"{r['repeat4_ratio']:.2f}x"]
+
+    rows = [row(r, r["method"]) for r in results["rows"]]
     full = results["full_model"]
     if results.get("second_seed"):
-        r = results["second_seed"]
-        rows.append([r["level"], f"distill, seed {r['seed']}", f"{r['lambada_ppl']:.1f}", f"{r['lambada_ratio']:.2f}x",
-                     f"{r['heldout_ppl']:.2f}", f"{r['heldout_ratio']:.2f}x", f"{r['repeat4']:.3f}",
-                     f"{r['repeat4_ratio']:.2f}x"])
+        rows.append(row(results["second_seed"], f"distill, seed {results['second_seed']['seed']}"))
     rows.append(["1.0", "full model", f"{full['lambada_ppl']:.1f}", "1.00x", f"{full['heldout_ppl']:.2f}", "1.00x",
                  f"{full['repeat4']:.3f}", "1.00x"])
     sizes = results["eval_windows"]
@@ -440,7 +486,22 @@ def report(results: dict) -> None:
                 f"{sizes['lambada'][0]}x{sizes['lambada'][1]} tokens, held-out {sizes['heldout'][0]}x"
                 f"{sizes['heldout'][1]}, {results['generation']['prompts']} prompts x "
                 f"{results['generation']['max_new_tokens']} tokens",
-                ["level", "method", "LAMBADA ppl", "/ full", "held-out ppl", "/ full", "repeat-4", "/ full"], rows)
+                ["level", "method", "LAMBADA ppl", "/ full [95%]", "held-out ppl", "/ full [95%]", "repeat-4", "/ full"],
+                rows)
+    print_table("method against method, same windows (ratio of perplexities, paired 95% interval)",
+                ["pair @ level", "LAMBADA", "held-out"],
+                [[key, *(with_interval(v[n]["ratio"], [v[n]["low"], v[n]["high"]]) for n in ("lambada", "heldout"))]
+                 for key, v in results["versus"].items()])
+    if results.get("calibration"):
+        cal = results["calibration"]
+        print_table(f"importance profiled on {cal['other']} instead of {', '.join(cal['default'])} ({cal['windows']}), "
+                    "no recovery", ["level", "LAMBADA / full", "held-out / full", "LAMBADA / default's",
+                                    "held-out / default's"],
+                    [[lv, with_interval(r["other"]["lambada_ratio"], r["other"]["lambada_interval"]),
+                      with_interval(r["other"]["heldout_ratio"], r["other"]["heldout_interval"]),
+                      *(with_interval(r["other_vs_default"][n]["ratio"],
+                                      [r["other_vs_default"][n]["low"], r["other_vs_default"][n]["high"]])
+                        for n in ("lambada", "heldout"))] for lv, r in cal["levels"].items()])
     print_table("methods", ["method", "what"], [["none", "no recovery (the elastified level as is)"],
                                                  *([k, v] for k, v in METHODS.items())])
     print_table("goals", ["goal", "met"], [[k, "yes" if v else "NO"] for k, v in results["goals"].items()])
@@ -464,6 +525,8 @@ def main() -> None:
     parser.add_argument("--validation-windows", type=int, default=8)
     parser.add_argument("--eval-len", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--compare-calibration", default="passages",
+                        help="also profile importance on this corpus (none: skip) and compare the unrecovered levels")
     parser.add_argument("--smoke", action="store_true", help="a few prompts and windows: checks the path, not quality")
     parser.add_argument("--reuse", action="store_true", help="reuse the package and finished runs under --out")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results/")
@@ -477,9 +540,11 @@ def main() -> None:
     parser.add_argument("--shard-out")
     args = parser.parse_args()
     if args.smoke:
-        args.lambada_windows, args.heldout_windows, args.validation_windows, args.gen_tokens = 4, 1, 2, 8
+        args.lambada_windows, args.heldout_windows, args.validation_windows, args.gen_tokens = 4, 2, 2, 8
         args.prompts, args.max_new_tokens, args.eval_len = 12, 16, 32
         EVERYDAY_PROMPTS[:] = EVERYDAY_PROMPTS[:3]
+    if args.compare_calibration == "none":
+        args.compare_calibration = None
     if args.generate_shard is not None:
         return generate_one_shard(args)
     if args.worker:
@@ -512,7 +577,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     sets = EvalSets(AutoTokenizer.from_pretrained(str(package / "model")), corpus_dir, args)
-    results = assemble(args, corpus_dir, sets.sizes(), time.perf_counter() - started)
+    calibration = compare_calibration(args, sets) if args.compare_calibration else None
+    results = assemble(args, corpus_dir, sets.sizes(), time.perf_counter() - started) | {"calibration": calibration}
     (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "recovery.png")
     if not args.no_results and not args.smoke:
