@@ -405,6 +405,7 @@ def _api_cases(run: Probe, setup: dict, model: Path, calibration: Path) -> None:
 
     root = calibration.parent
     submit("sources", "/etc/passwd as calibration", "calibration.0", 403, calibration=["/etc/passwd"])
+    submit("sources", "100,000 calibration files", "calibration", calibration=["/a"] * 100_000)
     submit("sources", "source.model outside the roots", "source.model", 403, source={"model": "/etc"})
     submit("sources", "a relative source.model", "source.model", source={"model": "models/../../etc"})
     submit("sources", "../ out of a source root", "source.model", source={"model": f"{root}/../../etc"})

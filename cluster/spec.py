@@ -27,7 +27,7 @@ from pydantic import (
 )
 
 from device_sdk.format import DEFAULT_LEVELS, canonical_json
-from pipeline.settings import DEFAULT_CALIBRATION, Levels
+from pipeline.settings import DEFAULT_CALIBRATION, MAX_FILES, Levels
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
@@ -117,7 +117,8 @@ class PublishSpec(Strict):
 
 class BuildSpec(Strict):
     source: SourceSpec
-    calibration: list[str] = Field(default_factory=lambda: list(DEFAULT_CALIBRATION), min_length=1)
+    calibration: list[str] = Field(default_factory=lambda: list(DEFAULT_CALIBRATION), min_length=1,
+                                   max_length=MAX_FILES)
     levels: Levels = Field(default_factory=lambda: [level.ratio for level in DEFAULT_LEVELS])
     stages: dict[str, StageSpec] = Field(default_factory=dict)
     publish: PublishSpec

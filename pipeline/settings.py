@@ -29,6 +29,9 @@ RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio 
 DEFAULT_CALIBRATION = ("ptb:train",)  # the build's calibration text (BuildSpec.calibration), which profile reads
 DEFAULT_BINS = [round(0.1 * i, 1) for i in range(11)]  # CLONE's per-layer keep-ratio bins
 MAX_SHARDS = 256  # a fan-out is one DAG node (and row) per shard: bound what one spec can ask for
+# Files (or corpus names) one setting may list: submit resolves and checks each against the source roots, and
+# 100,000 calibration entries in a 600 KB spec were 8 s of checks and a 14 MB problem document.
+MAX_FILES = 64
 
 Taylor = Literal["param_first", "vectorize"]
 LayerMethod = Literal["loo", "block_influence"]
@@ -68,7 +71,7 @@ Levels = Annotated[list[StrictFloat], Field(min_length=1, max_length=MAX_SHARDS)
                    AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
-Corpora = Annotated[list[str], Field(min_length=1), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)
+Corpora = Annotated[list[str], Field(min_length=1, max_length=MAX_FILES), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)
 PACKAGED_CORPORA = ("lambada", "passages")  # besides ptb:<split>: the corpus names pipeline.calibration.load_corpus knows
 
 
@@ -205,7 +208,8 @@ GENERATION_PROMPT_COUNT = 32  # pipeline.evaluate.GENERATION_PROMPTS: the fixed 
 
 
 class ReportCardSettings(StageSettings):
-    corpora: Annotated[list[str], NAMES_CORPORA] = Field(default_factory=lambda: ["ptb:test", "lambada"])
+    corpora: Annotated[list[str], Field(max_length=MAX_FILES), NAMES_CORPORA] = Field(
+        default_factory=lambda: ["ptb:test", "lambada"])
     # Those of `corpora` in the recovery data's domain (the recovery corpus holds PTB-train text): their
     # level ratios need a full model recovered the same way (pipeline.evaluate.in_domain_reference).
     # The rest, and the corpus input's held-out generated slice, are out of domain.
