@@ -58,6 +58,23 @@ class LevelLatency:
 
 
 @dataclass
+class TLMLatency:
+    """The TLM's own time before prefill, as lines in the prompt's tokens: the decision runs on every
+    request the TLM decides, the compression (score branch) only when the prompt ratio is below 1."""
+
+    decide_base_ms: float
+    decide_per_token_ms: float
+    compress_base_ms: float
+    compress_per_token_ms: float
+
+    def ms(self, prompt_tokens: int, compressing: bool) -> float:
+        total = self.decide_base_ms + self.decide_per_token_ms * prompt_tokens
+        if compressing:
+            total += self.compress_base_ms + self.compress_per_token_ms * prompt_tokens
+        return total
+
+
+@dataclass
 class LatencyProfile:
     weight_format: str
     threads: int
@@ -65,6 +82,15 @@ class LatencyProfile:
     device: str = field(default_factory=platform.processor)
     measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))  # noqa: UP017 (3.10)
     estimated: bool = False  # True: only the full level was measured, the rest scaled by active fraction
+    tlm: TLMLatency | None = None  # measured on the device where a TLM decides; None: not measured (counts 0)
+
+    def __post_init__(self):
+        if isinstance(self.tlm, dict):  # read back from JSON
+            self.tlm = TLMLatency(**self.tlm)
+
+    def tlm_ms(self, prompt_tokens: int, prompt_ratio: float) -> float:
+        """The TLM's predicted time before prefill for this prompt (0 where it was not measured)."""
+        return 0.0 if self.tlm is None else self.tlm.ms(prompt_tokens, prompt_ratio < 1.0)
 
     def ttft_ms(self, level: str, prompt_tokens: int) -> float:
         entry = self.levels[level]
@@ -142,17 +168,23 @@ def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProf
     return Decision(ordered[0].name, feasible=False)
 
 
-def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
-    """Whether `level` on the `prompt_ratio`-compressed prompt is predicted to meet `slo`."""
-    target = slo.absolute(profile, prompt_tokens)
+def predicted_ttft_ms(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int) -> float:
+    """TTFT of `level` on the `prompt_ratio`-compressed prompt, the TLM's own time included (where measured)."""
     kept = max(1, round(prompt_ratio * prompt_tokens))
-    return target.met(profile.ttft_ms(level, kept), profile.tpot_ms(level))
+    return profile.tlm_ms(prompt_tokens, prompt_ratio) + profile.ttft_ms(level, kept)
+
+
+def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
+    """Whether `level` on the `prompt_ratio`-compressed prompt is predicted to meet `slo`; TTFT counts the
+    TLM's time where the profile holds it."""
+    target = slo.absolute(profile, prompt_tokens)
+    return target.met(predicted_ttft_ms(profile, level, prompt_ratio, prompt_tokens), profile.tpot_ms(level))
 
 
 # --------------------------------------------------------------------------- measuring
 
 
-def _timed_ms(fn) -> float:
+def timed_ms(fn) -> float:
     start = time.perf_counter()
     fn()
     return (time.perf_counter() - start) * 1000
@@ -161,12 +193,14 @@ def _timed_ms(fn) -> float:
 def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> LevelLatency:
     """Prefill at each prompt length (fit a line), then the mean of single-token decode steps."""
     ttfts, tpot = measure_points(model, prompt_lengths, decode_tokens, repeats)
-    if len(prompt_lengths) > 1:
-        slope = (ttfts[-1] - ttfts[0]) / (prompt_lengths[-1] - prompt_lengths[0])
-    else:
-        slope = 0.0
+    return LevelLatency(*line_through(prompt_lengths, ttfts), tpot)
+
+
+def line_through(lengths, times_ms) -> tuple[float, float]:
+    """(base ms, ms per token) of the line through the first and last points, neither below 0."""
+    slope = (times_ms[-1] - times_ms[0]) / (lengths[-1] - lengths[0]) if len(lengths) > 1 else 0.0
     slope = max(slope, 0.0)
-    return LevelLatency(max(ttfts[0] - slope * prompt_lengths[0], 0.0), slope, tpot)
+    return max(times_ms[0] - slope * lengths[0], 0.0), slope
 
 
 def measure_points(model, prompt_lengths, decode_tokens: int, repeats: int) -> tuple[list[float], float]:
@@ -180,12 +214,12 @@ def measure_points(model, prompt_lengths, decode_tokens: int, repeats: int) -> t
     with torch.inference_mode():
         for length in prompt_lengths:
             ids = torch.randint(0, vocab, (1, length), generator=generator)
-            best = min(_timed_ms(lambda ids=ids: transformer(ids, last_only=True)) for _ in range(repeats))
+            best = min(timed_ms(lambda ids=ids: transformer(ids, last_only=True)) for _ in range(repeats))
             ttfts.append(best)
         cache = transformer.new_cache(prompt_lengths[0] + decode_tokens + 1)
         transformer(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), cache, last_only=True)
         token = torch.zeros(1, 1, dtype=torch.long)
-        steps = [_timed_ms(lambda: transformer(token, cache, last_only=True)) for _ in range(decode_tokens)]
+        steps = [timed_ms(lambda: transformer(token, cache, last_only=True)) for _ in range(decode_tokens)]
     steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter (scheduler noise)
     return ttfts, sum(steps) / len(steps)
 
@@ -209,7 +243,13 @@ def measure_profile(
     finally:
         if previous is not None:
             model.set_level(previous)
-    return LatencyProfile(model.weight_format, torch.get_num_threads(), measured)
+    tlm = getattr(model, "tlm", None)
+    tlm_latency = None
+    if tlm is not None:
+        from device_sdk.tlm import measure_tlm_latency
+
+        tlm_latency = measure_tlm_latency(tlm, prompt_lengths, repeats)
+    return LatencyProfile(model.weight_format, torch.get_num_threads(), measured, tlm=tlm_latency)
 
 
 def estimate_profile(model) -> LatencyProfile:

@@ -39,7 +39,7 @@ from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, esti
 from device_sdk.llama import Projection, Transformer
 from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
 from device_sdk.registry import read_local_state, verify_local
-from device_sdk.tlm import TLM, tlm_decider
+from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 1}  # bytes per stored weight, by weight format
@@ -322,7 +322,10 @@ class ElasticModel:
         """This device's measured profile for this weight format, else a quick estimate."""
         if self._profile is None:
             path = profile_path(self.package_dir, self.weight_format)
-            self._profile = LatencyProfile.load(path) if path.is_file() else estimate_profile(self)
+            profile = LatencyProfile.load(path) if path.is_file() else estimate_profile(self)
+            if self.tlm is not None and profile.tlm is None:  # the TLM's time counts in TTFT: time it here, once
+                profile.tlm = measure_tlm_latency(self.tlm)
+            self._profile = profile
         return self._profile
 
     @latency_profile.setter
@@ -353,6 +356,8 @@ class ElasticModel:
     @torch.inference_mode()
     def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
                   experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = ()) -> Iterator[str]:
+        latency = self.latency_profile if slo is not None else None  # read or measured once, not per request
+        # TTFT runs from here: tokenising, the TLM's decision and compression, prefill.
         started = time.perf_counter()
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
@@ -365,7 +370,7 @@ class ElasticModel:
                             "because it was asked for", forced.name, _quality_summary(forced))
             decision = Decision(forced.name)
         elif slo is not None:
-            decision = self.decide(prompt, len(ids), slo, self.latency_profile, levels)
+            decision = self.decide(prompt, len(ids), slo, latency, levels)
         else:
             decision = Decision(levels[-1].name)
         prompt_tokens = len(ids)  # a relative SLO is relative to the full model on the prompt as given

@@ -1,9 +1,12 @@
 """TLM inference on the device: word-level prompt compression and the (prompt ratio, level) decision.
 
 The TLM is one BERT-style encoder: a frozen trunk, then a score branch (keep/drop per token)
-and a decision branch (prompt-ratio and level heads over `[TTFT_x] [TPOT_y] prompt`). The
-pipeline trains it (pipeline/tlm.py) and uses the word and decision rules defined here, so
-that what the labels were made with is exactly what a device runs.
+and a decision branch, whose head the config names (`decision_head`; absent in older
+packages, which read as "slo_token"): ElastiLM's prompt-ratio and level heads over
+`[TTFT_x] [TPOT_y] prompt`, or the utility head (P(right) per (ratio, level) cell over the
+prompt alone, masked here by this device's profile). The pipeline trains it (pipeline/tlm.py)
+and uses the word and decision rules defined here, so that what the labels were made with is
+exactly what a device runs.
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ from tokenizers import Tokenizer
 
 from device_sdk.encoder import Encoder, load_tokenizer
 from device_sdk.format import Level, LevelShape
-from device_sdk.latency import SLO, Decision, LatencyProfile, feasible, usable_levels
+from device_sdk.latency import (
+    SLO,
+    Decision,
+    LatencyProfile,
+    TLMLatency,
+    feasible,
+    line_through,
+    predicted_ttft_ms,
+    timed_ms,
+    usable_levels,
+)
 
 WORD = re.compile(r"\S+")
 CONFIG_FILE = "tlm_config.json"
@@ -129,6 +142,24 @@ def best_feasible_pair(ratio_log_probs: torch.Tensor, level_log_probs: torch.Ten
     return best[0], best[1], True
 
 
+UTILITY_TIE = 1e-6  # utilities this close are a tie, and the cheaper cell wins
+
+
+def best_utility_cell(utility: torch.Tensor, ratios: Sequence[float], levels: Sequence[str],
+                      is_feasible: Callable[[float, str], bool],
+                      cost: Callable[[float, str], float]) -> tuple[float, str, bool]:
+    """(prompt ratio, level, feasible): the feasible cell with the highest utility [ratios, levels],
+    ties (within UTILITY_TIE) to the cheapest by `cost`. When no cell is feasible, the lightest pair
+    (smallest level, smallest ratio) is returned, flagged."""
+    cells = [(float(utility[i, j]), ratio, level) for i, ratio in enumerate(ratios) for j, level in enumerate(levels)
+             if is_feasible(ratio, level)]
+    if not cells:
+        return min(ratios), min(levels, key=Level), False
+    top = max(u for u, _, _ in cells)
+    _, ratio, level = min((c for c in cells if c[0] >= top - UTILITY_TIE), key=lambda c: (cost(c[1], c[2]), c[1]))
+    return ratio, level, True
+
+
 # --------------------------------------------------------------------------- the model
 
 
@@ -149,6 +180,9 @@ class TLM:
         self.decision_layers = [f"decision_layers.{i}." for i in range(branch)]
         self.ratios = [float(r) for r in config["ratio_grid"]]
         self.levels = [Level(m).name for m in config["level_grid"]]
+        self.decision_head = config.get("decision_head", "slo_token")
+        if self.decision_head not in ("slo_token", "utility"):
+            raise TLMError(f"this SDK does not know the decision head {self.decision_head!r}; update elastify-device")
 
     @classmethod
     def load(cls, tlm_dir: Path) -> TLM:
@@ -201,13 +235,36 @@ class TLM:
         ratio_lp, level_lp = self.decision_log_probs(prompt, ttft_fraction, tpot_fraction)
         return best_feasible_pair(ratio_lp, level_lp, self.ratios, self.levels, is_feasible)
 
+    @torch.inference_mode()
+    def utility(self, prompt: str) -> torch.Tensor:
+        """[ratios, levels]: the utility head's probability that each cell answers `prompt` right."""
+        if self.decision_head != "utility":
+            raise TLMError("this TLM's decision head is 'slo_token'; it predicts no utilities")
+        pooled = self._branch(self.prompt_tokenizer.encode(prompt).ids, self.decision_layers)[0]
+        return self._head(pooled, "utility_head").sigmoid().view(len(self.ratios), len(self.levels))
+
+
+def measure_tlm_latency(tlm: TLM, prompt_lengths: Sequence[int] = (32, 128), repeats: int = 2) -> TLMLatency:
+    """Time the TLM as a request runs it (the decision, and the word scores compression needs) on prompts
+    of `prompt_lengths` words (about as many tokens), best of `repeats`, and fit a line to each."""
+    decide, compress = [], []
+    for length in prompt_lengths:
+        text = " ".join(f"word{i % 50}" for i in range(length)) + "?"
+        if tlm.decision_head == "utility":
+            decide.append(min(timed_ms(lambda t=text: tlm.utility(t)) for _ in range(repeats)))
+        else:
+            decide.append(min(timed_ms(lambda t=text: tlm.decision_log_probs(t, 1.0, 1.0)) for _ in range(repeats)))
+        compress.append(min(timed_ms(lambda t=text: tlm.word_scores(t)) for _ in range(repeats)))
+    return TLMLatency(*line_through(list(prompt_lengths), decide), *line_through(list(prompt_lengths), compress))
+
 
 def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     """A level decision with `choose_level`'s signature that asks the TLM, judged by this device's profile.
 
     Absolute SLOs become fractions of the full model's predicted latency for this prompt. Only
     levels this copy holds and the package marks usable, and pairs the profile predicts to meet the
-    SLO, are eligible.
+    SLO (the TLM's own time in TTFT, where the profile measured it), are eligible. A utility head
+    takes the eligible cell most likely to answer right, ties to the one predicted cheapest.
     """
 
     def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
@@ -216,10 +273,16 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
         ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
         tpot_fraction = 1.0 if target.tpot_ms is None else target.tpot_ms / profile.tpot_ms(full)
         held = {level.name for level in usable_levels(levels)}  # what the decision and its fallback may pick
-        ratio, level, met = tlm.decide(
-            prompt, ttft_fraction, tpot_fraction,
-            lambda r, m: m in held and feasible(profile, m, r, prompt_tokens, target),
-        )
+
+        def is_feasible(r: float, m: str) -> bool:
+            return m in held and feasible(profile, m, r, prompt_tokens, target)
+
+        if getattr(tlm, "decision_head", "slo_token") == "utility":  # the SLO masks; the head ranks what remains
+            ratio, level, met = best_utility_cell(
+                tlm.utility(prompt), tlm.ratios, tlm.levels, is_feasible,
+                lambda r, m: predicted_ttft_ms(profile, m, r, prompt_tokens) + profile.tpot_ms(m))
+        else:
+            ratio, level, met = tlm.decide(prompt, ttft_fraction, tpot_fraction, is_feasible)
         if not met:  # best effort: the lightest pair this copy holds
             level = min(held, key=Level)
         return Decision(level, ratio, met)

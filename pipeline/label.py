@@ -4,7 +4,9 @@ A worker loads one elastic model (plus every level's LoRA) once and sweeps its s
 multiple-choice items over the whole grid, switching levels zero-copy: for each item the
 question is compressed once per ratio p by the TLM score head, then every level m answers all
 of them in one batch by option log-likelihood (length-normalised). The result is a boolean
-correctness tensor [items, ratios, levels]. `derive_labels` then turns merged shards plus the cost model into
+correctness tensor [items, ratios, levels] and, beside it, the confidence margin of every grid cell
+(`choice_margins`: the gold choice's length-normalised log-probability minus the best wrong choice's;
+> 0 where the answer is right, and near 0 where a 4-way guess happened to land). `derive_labels` then turns merged shards plus the cost model into
 per-SLO labels: among feasible pairs that answer correctly, the most capable (largest m, then
 largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
 (cheapest correct feasible pair) is stored beside it for the ablation.
@@ -180,6 +182,27 @@ def choice_scores(model: ElasticModel, tokenizer, prompts: list[str], choices: l
     return (sums / cont_len).view(n_prompts, n_choices)
 
 
+def choice_margins(scores: torch.Tensor, gold: int) -> torch.Tensor:
+    """The label rule that carries confidence, per row of `scores` [rows, choices] (mean log-probability
+    of each choice's tokens, as `choice_scores` gives): the gold choice's score minus the best wrong
+    choice's. Positive where the answer is right, by how much; negative where it is wrong, by how much.
+    A right answer by a hair (a 135M model guessing among four) reads near 0, not as a sure 1."""
+    if scores.shape[1] < 2:
+        raise LabelError("a margin needs at least two choices")
+    wrong = torch.cat([scores[:, :gold], scores[:, gold + 1:]], 1)
+    return scores[:, gold] - wrong.max(1).values
+
+
+def answers_scored(model, tokenizer, item: MCItem, questions: list[str | None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(right, margin) per question in `questions` (None: as written); `right` is argmax == gold and
+    `margin` is `choice_margins`. Questions that compress to the same text are scored once."""
+    prompts = [item.prompt(q) for q in questions]
+    unique = list(dict.fromkeys(prompts))
+    scores = choice_scores(model, tokenizer, unique, item.choices)
+    rows = [unique.index(p) for p in prompts]
+    return (scores.argmax(1) == item.gold)[rows], choice_margins(scores, item.gold)[rows]
+
+
 def answers_correct(model, tokenizer, item: MCItem, questions: list[str | None]) -> torch.Tensor:
     """Whether the model answers `item` right when asked each of `questions` (None: as written).
     Questions that compress to the same text are scored once."""
@@ -226,13 +249,19 @@ class LabelWorker:
 
     def sweep(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
               ctx: StageContext) -> torch.Tensor:
+        return self.sweep_scored(items, ratios, levels, force_tokens, ctx)[0]
+
+    def sweep_scored(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
+                     ctx: StageContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct bool, margin float), each [items, ratios, levels]; margins as `choice_margins`."""
         correct = torch.zeros(len(items), len(ratios), len(levels), dtype=torch.bool)
+        margin = torch.zeros(len(items), len(ratios), len(levels))
         for i, item in enumerate(ctx.track(items, "label: items")):
             questions = [self.compress(item.question, ratio, force_tokens) for ratio in ratios]
             for m, level in enumerate(levels):  # one batch per level: every ratio's prompt at once
                 self.set_level(level)
-                correct[i, :, m] = answers_correct(self.model, self.tokenizer, item, questions)
-        return correct
+                correct[i, :, m], margin[i, :, m] = answers_scored(self.model, self.tokenizer, item, questions)
+        return correct, margin
 
     def prompt_tokens(self, items: list[MCItem]) -> torch.Tensor:
         return torch.tensor([len(self.tokenizer(item.prompt())["input_ids"]) for item in items])
@@ -250,11 +279,12 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
     items = load_items(settings.tasks, settings.start, settings.stop, settings.per_task)[settings.shard::settings.shards]
     if not items:
         raise LabelError(f"shard {settings.shard} of {settings.shards} holds no items; use fewer shards")
-    correct = worker.sweep(items, settings.ratios, levels, settings.force_tokens, ctx)
+    correct, margin = worker.sweep_scored(items, settings.ratios, levels, settings.force_tokens, ctx)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors_path, meta_path = out_dir / "correctness.safetensors", out_dir / "correctness.json"
     tmp = tensors_path.with_name(f".{tensors_path.name}.tmp")
-    save_file({"correct": correct.to(torch.uint8), "prompt_tokens": worker.prompt_tokens(items)}, str(tmp))
+    save_file({"correct": correct.to(torch.uint8), "margin": margin.contiguous(),
+               "prompt_tokens": worker.prompt_tokens(items)}, str(tmp))
     tmp.replace(tensors_path)
     meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks,
             "items": [{"id": it.id, "task": it.task, "prompt": it.prompt()} for it in items]}
@@ -277,6 +307,20 @@ def load_shards(pairs: list[tuple[Path, Path]]) -> tuple[torch.Tensor, torch.Ten
         tokens.append(tensors["prompt_tokens"])
         meta["items"] += shard_meta["items"]
     return torch.cat(corrects), torch.cat(tokens), meta
+
+
+def load_margins(tensors_paths: list[Path]) -> torch.Tensor | None:
+    """The shards' margin tensors concatenated in the order given, or None when any shard predates them."""
+    margins = [load_file(str(path)).get("margin") for path in tensors_paths]
+    return None if any(m is None for m in margins) else torch.cat(margins)
+
+
+def cell_labels(correct: torch.Tensor, margins: torch.Tensor | None, meta: dict) -> list[dict]:
+    """Per item, SLO-free: {item, prompt, correct [ratio][level], margin [ratio][level] or None}: what the
+    utility head learns, for every grid cell, whether and how surely the answer is right."""
+    return [{"item": item["id"], "prompt": item["prompt"], "correct": correct[i].tolist(),
+             "margin": None if margins is None else margins[i].tolist()}
+            for i, item in enumerate(meta["items"])]
 
 
 # --------------------------------------------------------------------------- labels per SLO
@@ -362,6 +406,7 @@ def run_derive(inputs: dict[str, Path], options: DeriveSettings, ctx: StageConte
     slos = [tuple(s) for s in options.slos] if options.slos else None
     labels = derive_labels(correct, tokens, meta, load_profile(inputs), slos)
     labels["accuracy"] = correct.float().mean(0).tolist()  # [ratio][level], for the report
+    labels["cells"] = cell_labels(correct, load_margins([p for p, _ in pairs]), meta)
     out = ctx.work_dir / "labels.json"
     atomic_write_bytes(out, json.dumps(labels).encode())
     return {"labels": out}

