@@ -58,4 +58,25 @@ def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
     for row in card["levels"].values():
         assert row[f"ppl:{calib_text}"] > 1 and 0 <= row["accuracy"] <= 1
         assert row["measured_ttft_ms"] > 0 and row["measured_tpot_ms"] > 0
-    assert card["gate"] == evaluate.gate_failures(card, 0.02, None)
+    # The verdict the card records, worked out here from its own numbers and the documented rule (a
+    # narrower level fails when its perplexity is more than 2% below the wider one's, or its accuracy
+    # more than two binomial standard errors above), then held against what the stage enforces.
+    half, full = card["levels"]["0.5"], card["levels"]["1.0"]
+    assert card["items"] == 3
+    p = full["accuracy"]
+    band = 2 * (max(p * (1 - p), 1 / 3) / 3) ** 0.5
+    expected = [key for key in half if key.startswith("ppl:") and half[key] < 0.98 * full[key]]
+    expected += ["accuracy"] * (half["accuracy"] > p + band)
+
+    def failed(line):  # "level 0.5 has <key> …, better than …" or "level 0.5 answers … of held-out items …"
+        words = line.split()
+        return words[3] if words[2] == "has" else "accuracy"
+
+    assert sorted(map(failed, card["gate"])) == sorted(expected)
+    gated = settings.model_copy(update={"gate": True})
+    if expected:
+        with pytest.raises(PublishGateError, match="level 0.5"):
+            evaluate.run_card({"package": package}, gated, quiet_context(tmp_path / "gated"))
+        assert (tmp_path / "gated" / "report_card.json").is_file()  # written before the gate refuses
+    else:
+        evaluate.run_card({"package": package}, gated, quiet_context(tmp_path / "gated"))

@@ -159,23 +159,81 @@ def test_label_rules_pick_most_capable_or_lightest_feasible_pair():
     assert choose_pair(wrong, [], "capable", cost) is None
 
 
-def test_label_derived_labels_are_feasible_under_the_cost_model():
-    from pipeline.label import SLO, load_profile, load_shards
-    from pipeline.latency import feasible
+def test_label_derive_picks_hand_computed_labels():
+    """Two items, two levels, two ratios, three SLO classes; every expected label worked out by hand."""
+    from device_sdk.latency import LatencyProfile, LevelLatency
+    from pipeline.label import derive_labels
+
+    # TTFT(n) = base + per_token * n. At n = 100: level 1.0 110 ms (60 at ratio 0.5), tpot 10;
+    # level 0.5 55 ms (30 at ratio 0.5), tpot 6.
+    profile = LatencyProfile("fp32", 1, {"0.5": LevelLatency(5.0, 0.5, 6.0), "1.0": LevelLatency(10.0, 1.0, 10.0)})
+    meta = {"ratios": [0.5, 1.0], "levels": ["0.5", "1.0"],
+            "items": [{"id": "a", "prompt": "A?"}, {"id": "b", "prompt": "B?"}]}
+    correct = torch.tensor([[[False, True], [True, False]],  # a: right at (0.5, level 1.0) and (1.0, level 0.5)
+                            [[False, False], [False, False]]])  # b: never right
+    # (0.6, 0.7): TTFT <= 66, TPOT <= 7: level 0.5 only. (0.6, 1.0): TTFT <= 66, TPOT <= 10: level 0.5 at
+    # both ratios, level 1.0 at ratio 0.5. (0.2, 0.5): TTFT <= 22, TPOT <= 5: nothing.
+    labels = derive_labels(correct, torch.tensor([100, 100]), meta, profile, slos=[(0.6, 0.7), (0.6, 1.0), (0.2, 0.5)])
+
+    def rows(rule):
+        return [(r["item"], r["ttft"], r["tpot"], r["ratio"], r["level"], r["correct"]) for r in labels["rules"][rule]]
+
+    assert rows("capable") == [("a", 0.6, 0.7, 1.0, "0.5", True), ("a", 0.6, 1.0, 0.5, "1.0", True),
+                               ("b", 0.6, 0.7, 1.0, "0.5", False), ("b", 0.6, 1.0, 0.5, "1.0", False)]
+    # lightest correct under (0.6, 1.0): (1.0, level 0.5) costs 55 + 6 = 61 ms, (0.5, level 1.0) 60 + 10 = 70 ms
+    assert rows("lightest") == [("a", 0.6, 0.7, 1.0, "0.5", True), ("a", 0.6, 1.0, 1.0, "0.5", True),
+                                ("b", 0.6, 0.7, 1.0, "0.5", False), ("b", 0.6, 1.0, 0.5, "1.0", False)]
+    assert labels["infeasible_slos"] == 2
+
+
+def test_label_derived_labels_match_a_brute_force_over_the_grid():
+    """The stage's labels from the real shards equal a search over every pair written here from the
+    latency report's raw numbers and the rules' definitions (no pipeline cost-model or rule code)."""
+    from pipeline.label import load_shards, slo_grid
 
     labels = json.loads(Path(derived_labels()).read_text())
-    profile = load_profile({"latency": latency_report()})
-    _, tokens, meta = load_shards([(s["correctness"], s["meta"]) for s in labelled_shards()])
-    tokens_of = {item["id"]: int(n) for item, n in zip(meta["items"], tokens, strict=True)}
+    profile = json.loads(Path(latency_report()).read_text())["latency_profile"]
+    levels_latency, overhead = profile["levels"], profile.get("tlm")  # the TLM's own time, where measured
+    correct, tokens, meta = load_shards([(s["correctness"], s["meta"]) for s in labelled_shards()])
+    ratios, levels = meta["ratios"], meta["levels"]
+    full = levels_latency[max(levels, key=float)]
+
+    def prefill(level, ratio, n):
+        own = levels_latency[level]
+        return own["ttft_base_ms"] + own["ttft_per_token_ms"] * max(1, round(ratio * n))
+
+    def ttft_of(level, ratio, n):  # what feasibility judges: the TLM's time (if measured), then prefill
+        first = prefill(level, ratio, n)
+        if overhead:
+            first += overhead["decide_base_ms"] + overhead["decide_per_token_ms"] * n
+            if ratio < 1.0:
+                first += overhead["compress_base_ms"] + overhead["compress_per_token_ms"] * n
+        return first
+
+    expected = {"capable": [], "lightest": []}
+    infeasible = 0
+    for i, item in enumerate(meta["items"]):
+        n = int(tokens[i])
+        for slo_ttft, slo_tpot in slo_grid():
+            ttft_limit = slo_ttft * (full["ttft_base_ms"] + full["ttft_per_token_ms"] * n)
+            tpot_limit = slo_tpot * full["tpot_ms"]
+            # "lightest" ranks by the level's prefill on the kept tokens plus one TPOT
+            grid = [(ratio, level, prefill(level, ratio, n) + levels_latency[level]["tpot_ms"], bool(correct[i, r, m]))
+                    for r, ratio in enumerate(ratios) for m, level in enumerate(levels)
+                    if ttft_of(level, ratio, n) <= ttft_limit and levels_latency[level]["tpot_ms"] <= tpot_limit]
+            if not grid:
+                infeasible += 1
+                continue
+            right = [g for g in grid if g[3]]
+            most_capable = max(right or grid, key=lambda g: (float(g[1]), g[0]))
+            lightest = min(right, key=lambda g: g[2]) if right else most_capable
+            for rule, (ratio, level, _, ok) in (("capable", most_capable), ("lightest", lightest)):
+                expected[rule].append((item["id"], slo_ttft, slo_tpot, ratio, level, ok))
     for rule in ("capable", "lightest"):
-        rows = labels["rules"][rule]
-        assert rows
-        for row in rows:
-            slo = SLO.fraction(row["ttft"], row["tpot"])
-            assert feasible(profile, row["level"], row["ratio"], tokens_of[row["item"]], slo), row
-    # the lightest-correct rule never picks a heavier level than the most-capable rule
-    for capable, lightest in zip(labels["rules"]["capable"], labels["rules"]["lightest"], strict=True):
-        assert Level(lightest["level"]) <= Level(capable["level"])
+        got = [(r["item"], r["ttft"], r["tpot"], r["ratio"], r["level"], r["correct"]) for r in labels["rules"][rule]]
+        assert got == expected[rule], rule
+    assert labels["infeasible_slos"] == infeasible
+    assert expected["capable"]  # the grid leaves some SLO classes feasible, so rows were compared
 
 
 def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
