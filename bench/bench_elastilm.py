@@ -12,34 +12,48 @@ then labels held-out items over the same grid so every policy's answer is a look
   oracle          correct if any feasible pair is correct
 
 A policy whose pair is infeasible under the cost model counts one SLO violation.
-Throughput: grid points per second of the label worker (zero-copy switching, a level's ratios
-batched), of the same model one grid point per call, and of re-materialising the sub-model
-(reload + copy of the kept weights) per grid point; and two label shards through
-the real worker path on a Ray head with 1 vs 2 CPUs. Defaults are the full grids: levels
-0.2…1.0 × prompt ratios 0.3…1.0, ARC-E, OBQA, PIQA and SciQ.
+Throughput (`throughput`): grid points per second of the label worker (zero-copy switching, a
+level's ratios batched), of the same model one grid point per call, and of a copy-based
+re-materialiser that builds each point's sub-model from the full model in memory (kept weights
+copied, that level's LoRA attached, no reload), timed per held-out item over the whole grid; and
+two label shards through the real worker path on a Ray head with 1 vs 2 CPUs. Raw JSON goes to
+bench/results/labelling.json. Defaults are the full grids: levels 0.2…1.0 × prompt ratios 0.3…1.0,
+ARC-E, OBQA, PIQA and SciQ.
 
   .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm
+  .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm --throughput-only   # labelling speed alone
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import random
+import statistics
 import time
+from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
-from common import print_table
+from common import ROOT, print_table
 
 from device_sdk.format import Level, parse_levels, read_manifest
+from device_sdk.kernels import make_linear
 from device_sdk.latency import SLO
+from device_sdk.llama import Transformer
+from device_sdk.lora import ATTN_PROJECTIONS, PROJECTIONS, projection_key
+from device_sdk.runtime import ElasticModel
 from pipeline import label, latency, recover, tlm
 from pipeline.label import SLO_CLASSES
 from pipeline.stage import StageContext, quiet_context
 
 
-def build_package(out: Path, levels: list[float], ctx: StageContext) -> Path:
+def build_package(out: Path, levels: list[float], ctx: StageContext, calibration: list[str] | None = None,
+                  name: str = "package") -> Path:
+    """SmolLM2 profiled (block influence, 8 x 128 tokens of `calibration`, default the build's) and elastified."""
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import load_model
@@ -47,8 +61,9 @@ def build_package(out: Path, levels: list[float], ctx: StageContext) -> Path:
 
     loaded = load_model(prepare_smollm2())
     importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
-                         ProfileSettings(windows=8, window_length=128, layer_method="block_influence"), ctx)
-    path = out / "package"
+                         ProfileSettings(windows=8, window_length=128, layer_method="block_influence",
+                                         **({"calibration": calibration} if calibration else {})), ctx)
+    path = out / name
     elastify(loaded.model, loaded.tokenizer, loaded.architecture, importance, ElastifySettings(levels=levels), path,
              name="smollm2-bench", source=loaded.source, overwrite=True)
     return path
@@ -83,48 +98,127 @@ def policy_choice(policy, item_index, prompt, tokens, slo, ratios, levels, profi
     raise ValueError(policy)
 
 
-def throughput(package: Path, tlm_dir: Path, items, ratios, levels) -> dict:
-    """Grid points per second, every path compressing each (item, ratio) once as the stage does:
-    the label worker's own sweep (one model, zero-copy level switches, a level's ratios scored
-    as one batch); the same model scoring one grid point per call (what switching alone gives);
-    and re-materialising the sub-model per grid point, as ElastiLM's labeller rebuilds it."""
-    from device_sdk.elastic import ElasticLinear
-    from pipeline.elastic_model import serving_model
+def rematerialise(full: ElasticModel, level: str) -> SimpleNamespace:
+    """The level as a standalone model built from `full`, already in memory: every projection's kept
+    rows (or columns) copied out into their own tensors, and only this level's LoRA attached.
 
+    What a labeller without zero-copy switching does at best: nothing is read from disk, a projection
+    the level keeps whole and the tensors no level prunes (embeddings, norms, LM head) are shared,
+    and the rest is one copy of what the level keeps. `label.choice_scores` only reads `.transformer`.
+    """
+    shape = full.manifest.elastic.level(level)
+    source = full.transformer
+    weights = {"model.embed_tokens.weight": source.embed_tokens, "model.norm.weight": source.norm.weight,
+               "lm_head.weight": source.lm_head.storage}
+    adapter = full.adapters.get(shape.name, {})
+    for index, block in enumerate(source.layers):
+        prefix = f"model.layers.{index}"
+        weights[f"{prefix}.input_layernorm.weight"] = block.input_layernorm.weight
+        weights[f"{prefix}.post_attention_layernorm.weight"] = block.post_attention_layernorm.weight
+        for name in PROJECTIONS:
+            linear = block.projection(name).linear
+            units = (shape.attn_units if name in ATTN_PROJECTIONS else shape.mlp_units)[index]
+            rows = units * linear.unit_size
+            kept = linear.storage if rows == linear.storage.shape[0] else linear.storage[:rows].clone()
+            key = projection_key(index, name)
+            weights[f"{key}.weight" if linear.unit_axis == "out" else f"{key}.weight_t"] = kept
+            if linear.bias is not None:  # a row-unit bias is cut with its rows; a column-unit bias is whole
+                cut = linear.unit_axis == "out" and rows < linear.bias.shape[0]
+                weights[f"{key}.bias"] = linear.bias[:rows].clone() if cut else linear.bias
+    model = Transformer(full.manifest.architecture, weights, partial(make_linear, weight_format=full.weight_format))
+    for index, block in enumerate(model.layers):
+        for name in PROJECTIONS:
+            block.projection(name).lora = adapter.get(projection_key(index, name))
+    return SimpleNamespace(transformer=model)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) / math.sqrt(len(values))
+
+
+def throughput(package: Path, tlm_dir: Path, items, ratios, levels, seed: int = 0, on_item=None) -> dict:
+    """Grid points per second of three labelling paths, timed per item over the whole grid.
+
+    Every path compresses each (item, ratio) once with the TLM inside its timed span, as the
+    stage does, and scores with the same model already in memory (one load, all LoRAs read):
+      rematerialise  per grid point, copy the level's kept weights into a standalone sub-model
+                     with that level's LoRA (`rematerialise`), then score the point
+      switching      per grid point, a zero-copy level switch, then score the point
+      worker         the label worker's sweep: a switch per (item, level), that level's ratios
+                     scored as one batch
+    The paths run round-robin per item in rotating order (drift and other tenants hit all
+    alike). Rates are points / mean seconds per item, with the delta-method standard error;
+    speedups are ratios of mean item times with a paired bootstrap over items.
+    """
     worker = label.LabelWorker(package, tlm_dir)
-    points = len(items) * len(ratios) * len(levels)
+    full = worker.model
+    per_item = len(ratios) * len(levels)
 
-    def rate(run_point=None) -> float:
-        start = time.perf_counter()
-        if run_point is None:
-            worker.sweep(items, ratios, levels, ["?"], quiet_context())
-        else:
-            for item in items:
-                for question in [worker.compress(item.question, ratio, ["?"]) for ratio in ratios]:
-                    for level in levels:
-                        run_point(item, question, level)
-        return points / (time.perf_counter() - start)
+    def compressions(item):
+        return [worker.compress(item.question, ratio, ["?"]) for ratio in ratios]
 
-    def switching(item, question, level):
+    def one_by_one(item, build):
+        correct = torch.zeros(len(ratios), len(levels), dtype=torch.bool)
+        for r, question in enumerate(compressions(item)):
+            for m, level in enumerate(levels):
+                correct[r, m] = label.answer_correct(build(level), worker.tokenizer, item, question)
+        return correct
+
+    def switched(level):
         worker.set_level(level)
-        label.answer_correct(worker.model, worker.tokenizer, item, question)
+        return full
 
-    def rematerialising(item, question, level):
-        model = serving_model(package)  # reload the weights and adapters ...
-        model.set_level(level)
-        linears = [m for block in model.transformer.layers for m in block.modules() if isinstance(m, ElasticLinear)]
-        for module in linears:  # ... and materialise the level's own copy
-            units, copy = module.units, module.active_weight.clone()
-            module.cursor, module.level_widths = None, []  # a standalone layer, no longer following levels
-            module.storage = torch.nn.Parameter(copy, requires_grad=False)
-            module.max_units = units
-            module.set_width(units)
-        label.answer_correct(model, worker.tokenizer, item, question)
+    paths = {
+        "rematerialise": lambda item: one_by_one(item, lambda level: rematerialise(full, level)),
+        "switching": lambda item: one_by_one(item, switched),
+        "worker": lambda item: worker.sweep([item], ratios, levels, ["?"], quiet_context())[0],
+    }
+    for run in paths.values():  # warm-up: caches, allocator, the TLM's first calls
+        run(items[0])
+    seconds = {name: [] for name in paths}
+    answers = {name: [] for name in paths}
+    load = []
+    names = list(paths)
 
-    sweep, one_by_one, rematerialise = rate(), rate(switching), rate(rematerialising)
-    return {"sweep_points_per_s": sweep, "switching_points_per_s": one_by_one,
-            "rematerialise_points_per_s": rematerialise, "speedup": sweep / rematerialise,
-            "switching_speedup": one_by_one / rematerialise}
+    def so_far(done: int) -> dict:
+        reference = torch.stack(answers["switching"])
+        agreement = {name: float((torch.stack(answers[name]) == reference).float().mean()) for name in names}
+        return summarise(seconds, per_item, seed) | {
+            "items": done, "item_ids": [item.id for item in items[:done]],
+            "answers_agree_with_switching": agreement, "loadavg_1min_per_item": load}
+
+    for i, item in enumerate(items):
+        for name in names[i % len(names):] + names[: i % len(names)]:
+            started = time.perf_counter()
+            answers[name].append(paths[name](item))
+            seconds[name].append(time.perf_counter() - started)
+        load.append(os.getloadavg()[0])
+        print(f"  item {i + 1}/{len(items)} {item.id}: "
+              + ", ".join(f"{n} {seconds[n][-1]:.2f} s" for n in names), flush=True)
+        if on_item is not None and i:  # so a run stopped early still leaves its items' numbers
+            on_item(so_far(i + 1))
+    return so_far(len(items))
+
+
+def summarise(seconds: dict[str, list[float]], per_item: int, seed: int = 0) -> dict:
+    """Per path: grid points/s = points per item / mean item seconds, with its delta-method standard
+    error; for switching and the worker, the speedup over re-materialising (ratio of mean item times)
+    with the standard error and 95% interval of a paired bootstrap over items."""
+    n = len(seconds["rematerialise"])
+    rng = random.Random(seed)
+    draws = [[rng.randrange(n) for _ in range(n)] for _ in range(10_000)]
+    paths = {}
+    for name, values in seconds.items():
+        mean, se = mean_se(values)
+        rate = per_item / mean
+        paths[name] = {"points_per_s": rate, "points_per_s_se": rate * se / mean,
+                       "item_seconds_mean": mean, "item_seconds_se": se, "item_seconds": values}
+    for name in ("switching", "worker"):
+        boot = sorted(sum(seconds["rematerialise"][j] for j in d) / sum(seconds[name][j] for j in d) for d in draws)
+        paths[name]["speedup_vs_rematerialise"] = statistics.fmean(seconds["rematerialise"]) / statistics.fmean(seconds[name])
+        paths[name]["speedup_se"] = statistics.stdev(boot)
+        paths[name]["speedup_ci95"] = [boot[len(boot) // 40], boot[-len(boot) // 40 - 1]]
+    return {"points_per_item": per_item, "paths": paths}
 
 
 def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: int, settings: dict, home: Path) -> float:
@@ -162,6 +256,51 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
     return elapsed
 
 
+def labelling(package: Path, score: Path, tasks: list[str], ratios: list[float], levels: list[str],
+              args, settings: dict) -> dict:
+    """The throughput comparison and the Ray 1-vs-2 run; writes the raw JSON to `args.results`, prints a table."""
+    items = [item for task in tasks for item in label.load_items([task], 300, 300 + args.throughput_items)]
+    load_before = os.getloadavg()
+    header = {"settings": settings, "cpus": os.cpu_count(), "threads": args.threads, "loadavg_before": load_before,
+              "ratios": ratios, "levels": levels, "items_planned": len(items)}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(partial: dict) -> None:
+        args.results.write_text(json.dumps(header | partial | {"complete": False}, indent=2) + "\n")
+
+    speed = header | throughput(package, score, items, ratios, levels, on_item=write) | {"complete": True}
+    speed["loadavg_after"] = os.getloadavg()
+    args.results.write_text(json.dumps(speed, indent=2) + "\n")  # again below with the Ray run, if any
+    if not args.no_ray:
+        # Throughput only: the first items of each task, the whole grid, two shards.
+        ray_settings = {"tasks": tasks, "per_task": args.ray_items, "ratios": ratios}
+        one = ray_labelling_seconds(package, score, 1, 2, ray_settings, args.out / "ray")
+        load_between = os.getloadavg()
+        two = ray_labelling_seconds(package, score, 2, 2, ray_settings, args.out / "ray")
+        speed["ray"] = {"shards": 2, "items": len(tasks) * args.ray_items, "one_worker_s": one, "two_workers_s": two,
+                        "speedup": one / two, "loadavg_after_one": load_between, "loadavg_after_two": os.getloadavg()}
+        args.results.write_text(json.dumps(speed, indent=2) + "\n")
+    paths = speed["paths"]
+    rows = [
+        ["re-materialise per grid point (copy kept weights + the level's LoRA, no reload)", "rematerialise"],
+        ["one loaded model, zero-copy switch, one grid point per call", "switching"],
+        ["label worker: switch per (item, level), that level's ratios in one batch", "worker"],
+    ]
+    print_table(f"labelling throughput: {speed['items']} items x {speed['points_per_item']} grid points, "
+                f"{speed['threads']} thread(s), mean ± SE over items", ["path", "grid points/s", "vs re-materialise"],
+                [[label_, f"{paths[k]['points_per_s']:.2f} ± {paths[k]['points_per_s_se']:.2f}",
+                  "1.00x" if k == "rematerialise" else
+                  f"{paths[k]['speedup_vs_rematerialise']:.2f}x ± {paths[k]['speedup_se']:.2f} "
+                  f"[{paths[k]['speedup_ci95'][0]:.2f}, {paths[k]['speedup_ci95'][1]:.2f}]"] for label_, k in rows])
+    if "ray" in speed:
+        ray = speed["ray"]
+        print(f"{ray['shards']} label shards ({ray['items']} items): 1 Ray worker {ray['one_worker_s']:.1f} s, "
+              f"2 workers {ray['two_workers_s']:.1f} s, {ray['speedup']:.2f}x")
+    print(f"answers agree with switching: {speed['answers_agree_with_switching']}; "
+          f"load average before {load_before}, after {speed['loadavg_after']}; raw JSON: {args.results}")
+    return speed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-elastilm"))
@@ -175,6 +314,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reuse", action="store_true", help="reuse finished stage outputs under --out")
     parser.add_argument("--ray-items", type=int, default=8, help="per task, for the 1-vs-2 Ray worker labelling run")
+    parser.add_argument("--no-ray", action="store_true", help="skip the 1-vs-2 Ray worker labelling run")
+    parser.add_argument("--throughput-only", action="store_true",
+                        help="only the labelling throughput (package, recovery, TLM score head, then the timing); "
+                             "no latency stage, labels, decision heads or SLO-policy table")
+    parser.add_argument("--throughput-items", type=int, default=6, help="per task, held out, for the throughput")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "labelling.json",
+                        help="where the labelling throughput's raw JSON goes")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +351,7 @@ def main() -> None:
             {"package": package}, s, StageContext(work_dir=args.out / f"recover-{n}")))
         recovered[name] = json.loads(Path(outputs["metrics"]).read_text())
         recover.install_adapters(package, {name: outputs["adapter"]})
-    if not (reuse and read_manifest(package).latency_profile):
+    if not args.throughput_only and not (reuse and read_manifest(package).latency_profile):
         lat = stage("latency", lambda: latency.run({"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=2),
                                                    StageContext(work_dir=args.out / "latency"))["latency"])
         latency.apply_latency(package, json.loads(Path(lat).read_text()))
@@ -214,6 +360,11 @@ def main() -> None:
         score = stage("tlm-score", lambda: tlm.run_score(
             {"package": package}, tlm.ScoreSettings(passages=48, passage_words=80, steps=120, lr=1e-4),
             StageContext(work_dir=args.out / "tlm-score")))["tlm"]
+    bench_settings = {"threads": args.threads, "recover_steps": args.recover_steps, "tasks": tasks,
+                      "throughput_items_per_task": args.throughput_items, "ray_items_per_task": args.ray_items}
+    speed = stage("throughput", lambda: labelling(package, score, tasks, ratios, level_names, args, bench_settings))
+    if args.throughput_only:
+        return
 
     def sweep(name, start, per_task):
         shards = {}
@@ -260,15 +411,6 @@ def main() -> None:
                 violations += not ok
             row[policy] = {"accuracy": hits / len(meta["items"]), "violations": violations}
         table[str(slo)] = row
-    items = label.load_items(tasks[:1], 300, 302)
-    speed = stage("throughput", lambda: throughput(package, score, items, ratios, level_names))
-    # Throughput only: the first items of each task, the whole grid, two shards.
-    ray_settings = {"tasks": tasks, "per_task": args.ray_items, "ratios": ratios}
-    ray_one = stage("label on 1 Ray worker", lambda: ray_labelling_seconds(
-        package, score, 1, 2, ray_settings, args.out / "ray"))
-    ray_two = stage("label on 2 Ray workers", lambda: ray_labelling_seconds(
-        package, score, 2, 2, ray_settings, args.out / "ray"))
-    speed |= {"ray_1_worker_s": ray_one, "ray_2_workers_s": ray_two, "ray_speedup": ray_one / ray_two}
     results = {"recover": {k: {"before": v["eval_loss_before"], "after": v["eval_loss_after"]}
                            for k, v in recovered.items()},
                "grid_accuracy": correct.float().mean(0).tolist(), "ratios": meta["ratios"], "levels": meta["levels"],
@@ -280,15 +422,7 @@ def main() -> None:
                 ["SLO (TTFT, TPOT)", *policies],
                 [[slo, *(f"{row[p]['accuracy']:.3f} [{row[p]['violations']}]" for p in policies)]
                  for slo, row in table.items()])
-    print_table("labelling throughput", ["measure", "baseline", "ours", "ratio"], [
-        ["grid points/s: label worker (zero-copy, a level's ratios batched) vs re-materialising per point",
-         f"{speed['rematerialise_points_per_s']:.2f}", f"{speed['sweep_points_per_s']:.2f}", f"{speed['speedup']:.1f}x"],
-        ["grid points/s: zero-copy, one point per call vs re-materialising per point",
-         f"{speed['rematerialise_points_per_s']:.2f}", f"{speed['switching_points_per_s']:.2f}",
-         f"{speed['switching_speedup']:.1f}x"],
-        ["2 label shards: 2 Ray workers vs 1 (s)", f"{ray_one:.1f}", f"{ray_two:.1f}",
-         f"{speed['ray_speedup']:.2f}x"],
-    ])
+
 
 if __name__ == "__main__":
     main()
