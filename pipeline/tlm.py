@@ -191,11 +191,21 @@ class DualHeadTLM(nn.Module):
         pooled = self._run(self.decision_layers, trunk, attention_mask)[:, 0]
         return self.ratio_head(pooled), self.level_head(pooled)
 
-    def use_utility_head(self) -> None:
-        """Switch the decision branch to the utility head (a fresh one), e.g. on a TLM from tlm-score."""
-        self.config.decision_head = "utility"
+    def use_utility_head(self, ratios: Sequence[float] | None = None, levels: Sequence[str] | None = None) -> None:
+        """Switch the decision branch to the utility head (a fresh one), e.g. on a TLM from tlm-score. Its
+        grid becomes the labelled one (`ratios` × `levels`, default the TLM's): a cell nobody labelled
+        has no utility to learn, so it is not on offer at serving time either."""
+        config = self.config
+        config.decision_head = "utility"
+        if ratios is not None:
+            config.ratio_grid = [float(r) for r in ratios]
+        if levels is not None:
+            config.level_grid = [Level(m).name for m in levels]
         hidden = self.ratio_head.in_features
-        self.utility_head = nn.Linear(hidden, len(self.config.ratio_grid) * len(self.config.level_grid))
+        # The class heads follow the grid so that a saved TLM loads with its config (unused by this head).
+        self.ratio_head = nn.Linear(hidden, len(config.ratio_grid))
+        self.level_head = nn.Linear(hidden, len(config.level_grid))
+        self.utility_head = nn.Linear(hidden, len(config.ratio_grid) * len(config.level_grid))
 
     def utility_logits(self, trunk, attention_mask):
         """[batch, ratios, levels] logits of 'answered right' from trunk states (cached or fresh)."""
@@ -488,18 +498,19 @@ def _padded_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.
 
 def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps: int, batch_size: int = 16,
                        lr: float = 1e-4, margin_temperature: float = 0.5, seed: int = 0,
+                       ratios: Sequence[float] | None = None, levels: Sequence[str] | None = None,
                        ctx: StageContext | None = None) -> list[float]:
     """Train the decision layers and the utility head on per-item cell targets (`utility_targets`)
-    with binary cross-entropy, over trunk features computed once per prompt."""
+    with binary cross-entropy, over trunk features computed once per prompt. `ratios` × `levels`: the
+    labelled grid, which becomes the head's (default: the TLM's grid)."""
     if not cells:
         raise TLMError("no utility-head training items")
+    tlm.use_utility_head(ratios, levels)
     grid = (len(tlm.config.ratio_grid), len(tlm.config.level_grid))
     for cell in cells:
         if tuple(torch.tensor(cell["correct"]).shape) != grid:
             raise TLMError(f"item {cell.get('item')} was labelled on a grid of shape "
                            f"{tuple(torch.tensor(cell['correct']).shape)}, the TLM's is {grid}")
-    if tlm.config.decision_head != "utility":
-        tlm.use_utility_head()
     targets = utility_targets(cells, margin_temperature)
     features = trunk_features(tlm, tokenizer, [cell["prompt"] for cell in cells])
     params = [*tlm.decision_layers.parameters(), *tlm.utility_head.parameters()]
@@ -599,7 +610,8 @@ def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageC
         started = time.perf_counter()
         losses = train_utility_head(tlm, tokenizer, labels["cells"], steps=options.steps,
                                     batch_size=options.batch_size, lr=options.lr,
-                                    margin_temperature=options.margin_temperature, seed=options.seed, ctx=ctx)
+                                    margin_temperature=options.margin_temperature, seed=options.seed,
+                                    ratios=labels["ratios"], levels=labels["levels"], ctx=ctx)
         seconds = time.perf_counter() - started
         out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
         metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labels["cells"]),

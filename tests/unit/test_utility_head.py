@@ -102,7 +102,7 @@ def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, m
 
     base, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     score_dir = tlm.save_tlm(base, tokenizer, tmp_path / "score")
-    ratios = base.config.ratio_grid
+    ratios = [0.5, 1.0]  # labelled on part of the TLM's ratio grid: that part becomes the head's grid
 
     # Level 1.0 is right everywhere, 0.25 nowhere, 0.5 only on the full prompt: every prompt alike.
     def cell_margin(r, m):
@@ -112,7 +112,7 @@ def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, m
     cells = [{"item": f"i{k}", "prompt": f"Question: what is item {k}?\nAnswer:", "margin": margins,
               "correct": [[v > 0 for v in row] for row in margins]} for k in range(6)]
     labels = tmp_path / "labels.json"
-    labels.write_text(json.dumps({"rules": {}, "cells": cells}))
+    labels.write_text(json.dumps({"rules": {}, "cells": cells, "ratios": ratios, "levels": LEVELS}))
     calls = []
     original = tlm.DualHeadTLM.trunk_states
 
@@ -127,6 +127,8 @@ def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, m
     assert len(calls) == len(cells)  # once per training prompt, not per step
     trained, tok = tlm.load_tlm(out["tlm"])
     before, _ = tlm.load_tlm(score_dir)
+    assert trained.config.ratio_grid == ratios and trained.config.level_grid == LEVELS
+    assert TLM.load(out["tlm"]).utility("Why?").shape == (len(ratios), len(LEVELS))
     for module in ("trunk", "score_layers", "score_head", "embeddings"):
         for a, b in zip(getattr(trained, module).state_dict().values(), getattr(before, module).state_dict().values(),
                         strict=True):
