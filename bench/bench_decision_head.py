@@ -1,0 +1,189 @@
+"""Which decision head to ship: ElastiLM's SLO-token head against the utility head, on held-out items.
+
+Given an elastified SmolLM2 package with its level adapters (`--package`; e.g. the one
+bench_elastilm.py builds), this runs the chain's own stage code: latency → tlm-score → label
+(held-in items 0.., held-out items from 300 on, the same grid) → label-derive → tlm-decision once
+per head and seed, with the demo's decision settings (100 steps, batch 16). Every held-out item ×
+ElastiLM SLO class is then decided by each head exactly as the SDK decides (feasible under the
+cost model, the utility head's ties to the cheaper cell) and scored by the held-out correctness
+tensor: a lookup. The reference rows are random feasible (its exact expectation) and the oracle.
+
+The headline is the paired difference utility − slo_token per held-out item (mean over the SLO
+classes and seeds), with its standard error over items. The decision stage's wall time is
+reported per head (seed 0) at the demo's decision settings; the labels here are 80 items where the
+demo's are 20, which only adds the utility head's one trunk pass per prompt. Raw JSON: bench/results/decision_head.json.
+
+  nice -n 5 .venv/bin/python bench/bench_decision_head.py --package /tmp/bench-elastilm/package --out /tmp/dh
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from common import ROOT, print_table
+
+from device_sdk.latency import SLO
+from device_sdk.tlm import best_feasible_pair, best_utility_cell
+from pipeline import label, latency, tlm
+from pipeline.label import SLO_CLASSES
+from pipeline.stage import StageContext
+
+
+def cached(path: Path, make):
+    """`make()` once: a finished stage's output path is reused on a rerun."""
+    return path if path.exists() else make()
+
+
+def sweep(package: Path, score: Path, out: Path, tasks: list[str], start: int, per_task: int, ratios, levels):
+    shards = {}
+    for index, task in enumerate(tasks):
+        work = out / f"{task}-{start}"
+        if not (work / "correctness.json").is_file():
+            settings = label.LabelSettings(tasks=[task], start=start, stop=start + per_task, per_task=None,
+                                           ratios=ratios, levels=levels)
+            label.run({"package": package, "tlm": score}, settings, StageContext(work_dir=work))
+        shards[f"correctness.{index}"] = work / "correctness.safetensors"
+        shards[f"meta.{index}"] = work / "correctness.json"
+    return shards
+
+
+def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
+    return cached(out / "labels.json", lambda: label.run_derive({"package": package, "latency": lat, **shards},
+                                                                label.DeriveSettings(), StageContext(work_dir=out))["labels"])
+
+
+def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperature: float) -> tuple[Path, float]:
+    """(trained TLM dir, the stage's wall seconds); a finished run under `out` is reused."""
+    timing = out / "wall_seconds.json"
+    if timing.is_file():
+        return out / "tlm", json.loads(timing.read_text())["seconds"]
+    started = time.perf_counter()
+    settings = tlm.DecisionSettings(head=head, steps=100, batch_size=16, seed=seed, margin_temperature=temperature)
+    done = tlm.run_decision({"tlm": score, "labels": labels}, settings, StageContext(work_dir=out))["tlm"]
+    seconds = time.perf_counter() - started
+    timing.write_text(json.dumps({"seconds": seconds}))
+    return done, seconds
+
+
+def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, levels, profile) -> tuple[int, int]:
+    """The cell the SDK's rule picks under the cost model (grid indices)."""
+    target = SLO.fraction(*slo)
+
+    def ok(r, m):
+        return latency.feasible(profile, m, r, tokens, target)
+
+    if head == "slo_token":
+        ratio_lp, level_lp = tlm.decision_log_probs(model, tokenizer, prompt, *slo)
+        r, m, _ = best_feasible_pair(ratio_lp, level_lp, ratios, levels, ok)
+    else:
+        r, m, _ = best_utility_cell(tlm.utility(model, tokenizer, prompt), ratios, levels, ok,
+                                    lambda r, m: latency.cost_rank(profile, m, r, tokens))
+    return ratios.index(r), levels.index(m)
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) / len(values) ** 0.5
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", type=Path, required=True, help="elastified package with level adapters")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-decision-head"))
+    parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq")
+    parser.add_argument("--ratios", default="0.5,0.7,1.0", help="the demo's")
+    parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
+    parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
+    parser.add_argument("--test-items", type=int, default=25, help="per task, held out (from item 300)")
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--slo-token-seeds", type=int, default=None,
+                        help="seeds of the SLO-token head (default --seeds; its training is the slow one)")
+    parser.add_argument("--margin-temperature", type=float, default=0.5)
+    parser.add_argument("--heads", default="slo_token,utility,utility T=0 (0/1 labels)",
+                        help="which of the three to train and compare")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "decision_head.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    out, package = args.out, args.package
+    tasks, ratios = args.tasks.split(","), [float(x) for x in args.ratios.split(",")]
+    levels = args.levels.split(",")
+    lat = cached(out / "latency" / "latency.json", lambda: latency.run(
+        {"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=1),
+        StageContext(work_dir=out / "latency"))["latency"])
+    score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
+        {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
+        StageContext(work_dir=out / "tlm-score"))["tlm"])
+    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels)
+    test_shards = sweep(package, score, out / "label", tasks, 300, args.test_items, ratios, levels)
+    labels = derive(package, lat, train_shards, out / "derive")
+    keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
+    correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
+                                               for k in keys])
+    profile = label.load_profile({"latency": lat})
+    heads = {"slo_token": ("slo_token", args.margin_temperature), "utility": ("utility", args.margin_temperature),
+             "utility T=0 (0/1 labels)": ("utility", 0.0)}
+    heads = {name: heads[name] for name in args.heads.split(",")}
+    # per head: [item] accuracy averaged over classes and seeds
+    per_item = {name: torch.zeros(len(meta["items"])) for name in heads}
+    per_class = {name: {str(slo): 0.0 for slo in SLO_CLASSES} for name in heads}
+    stage_seconds = {}  # the decision stage's wall time per head (seed 0), at the demo's 100 steps × 16
+    seeds = {name: args.slo_token_seeds or args.seeds if head == "slo_token" else args.seeds
+             for name, (head, _) in heads.items()}
+    for name, (head, temperature) in heads.items():
+        for seed in range(seeds[name]):
+            trained, seconds = train(score, labels, head, seed, out / f"decision-{head}-{temperature}-{seed}",
+                                     temperature)
+            stage_seconds.setdefault(name, seconds)
+            model, tokenizer = tlm.load_tlm(trained)
+            for slo in SLO_CLASSES:
+                for i, item in enumerate(meta["items"]):
+                    r, m = choose(head, model, tokenizer, item["prompt"], int(tokens[i]), slo, meta["ratios"],
+                                  meta["levels"], profile)
+                    hit = float(correct[i, r, m])
+                    per_item[name][i] += hit / (seeds[name] * len(SLO_CLASSES))
+                    per_class[name][str(slo)] += hit / (seeds[name] * len(meta["items"]))
+    # reference rows: random feasible (its expectation) and the oracle, no training
+    for name in ("random feasible", "oracle"):
+        per_item[name] = torch.zeros(len(meta["items"]))
+        per_class[name] = {str(slo): 0.0 for slo in SLO_CLASSES}
+    for slo in SLO_CLASSES:
+        for i in range(len(meta["items"])):
+            cells = label.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo)
+            hits = [float(correct[i, r, m]) for r, m in cells] or [float(correct[i, 0, 0])]
+            for name, value in (("random feasible", statistics.fmean(hits)), ("oracle", max(hits))):
+                per_item[name][i] += value / len(SLO_CLASSES)
+                per_class[name][str(slo)] += value / len(meta["items"])
+
+    n = len(meta["items"])
+    rows = []
+    summary = {}
+    for name in per_item:
+        mean, se = mean_se(per_item[name].tolist())
+        summary[name] = {"accuracy": mean, "se": se, "per_class": per_class[name]}
+        rows.append([name, f"{mean:.3f} ± {se:.3f}", *(f"{per_class[name][str(s)]:.3f}" for s in SLO_CLASSES)])
+    print_table(f"Held-out accuracy under the SLO classes ({n} items; ± SE over items; seeds {seeds})",
+                ["head", "overall", *map(str, SLO_CLASSES)], rows)
+    paired = {}
+    for rival in ("slo_token", "random feasible"):
+        for name in [h for h in heads if h != "slo_token" and h != rival]:
+            mean, se = mean_se((per_item[name] - per_item[rival]).tolist())
+            paired[f"{name} − {rival}"] = {"mean": mean, "se": se}
+            print(f"paired {name} − {rival}: {mean:+.3f} ± {se:.3f} (SE, n={n})")
+    print("decision stage wall time (100 steps × 16, seed 0): "
+          + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stage_seconds.items()))
+    results = {"held_out_items": n, "tasks": tasks, "ratios": ratios, "levels": levels, "seeds": seeds,
+               "train_items_per_task": args.train_items, "test_items_per_task": args.test_items,
+               "margin_temperature": args.margin_temperature, "threads": args.threads,
+               "heads": summary, "paired": paired, "decision_stage_seconds": stage_seconds,
+               "grid_accuracy_held_out": correct.float().mean(0).tolist()}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
