@@ -71,7 +71,7 @@ def cmd_trust_remove(args) -> int:
 
 
 @contextlib.contextmanager
-def _download_bar(label: str):
+def download_bar(label: str):
     """Yield an on_progress(done, total) drawing a byte progress bar on stderr; None when stderr is not a
     terminal (a pipe, a log file, CI), where a bar would only be noise."""
     if not sys.stderr.isatty():
@@ -98,7 +98,7 @@ def cmd_pull(args) -> int:
     from device_sdk.registry import pull, read_local_state
 
     try:
-        with _download_bar(f"{args.name} {args.version}") as on_progress:
+        with download_bar(f"{args.name} {args.version}") as on_progress:
             path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
                         max_level=args.max_level, cache_dir=args.cache_dir, on_progress=on_progress)
     except urllib.error.HTTPError as err:  # a bucket registry's own error

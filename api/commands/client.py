@@ -16,14 +16,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from api.progress import console, fail, progress_bars
@@ -296,6 +288,7 @@ def packages_pull(
     token: Token = None,
 ) -> None:
     """Download a package through the API, verify every byte and the signature, and install it."""
+    from device_sdk.cli import download_bar
     from device_sdk.format import PackageError
     from device_sdk.registry import pull, read_local_state
     from device_sdk.trust import TrustStore
@@ -309,13 +302,10 @@ def packages_pull(
             public_key = client.signing_key()
             console.print(f"verifying against the server's key {public_key} "
                           f"(pin it with `elastify-device trust add {name} KEY`)")
-        bars = Progress(TextColumn(f"{name} {version}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        TimeRemainingColumn(), console=console)
-        task = bars.add_task("download", total=None)
         try:
-            with bars:
+            with download_bar(f"{name} {version}") as on_progress:
                 path = pull(name, version, registry=client, public_key=public_key, max_level=max_level,
-                            cache_dir=cache_dir, on_progress=lambda done, total: bars.update(task, completed=done, total=total))
+                            cache_dir=cache_dir, on_progress=on_progress)
         except PackageError as err:
             fail(str(err))
         except ConnectionError as err:

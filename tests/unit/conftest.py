@@ -36,3 +36,20 @@ def client(api):
     from fastapi.testclient import TestClient
 
     return TestClient(api.app)
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    """A scheduler on SQLite and a local store, owner "me"; no Ray (its database and store logic)."""
+    from cluster.db import migrate
+    from cluster.scheduler import Scheduler
+    from cluster.settings import Settings
+    from tests.integration.control_plane import chain_registry
+
+    settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
+                        store_url=str(tmp_path / "store"), lease_seconds=30.0)
+    migrate(settings.database_url)
+    scheduler = Scheduler(settings, chain_registry(), owner="me")
+    scheduler.store.ensure_ready()
+    yield scheduler
+    scheduler.engine.dispose()

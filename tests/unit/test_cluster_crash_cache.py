@@ -8,24 +8,9 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from cluster.db import migrate
 from cluster.models import Artifact, Attempt, Build, Stage, Tenant, utcnow
-from cluster.scheduler import Scheduler
-from cluster.settings import Settings
 from cluster.sweeper import attempt_prefix, sweep_dead_outputs
-from tests.integration.control_plane import chain_registry
 from workers.runner import ExternalInput
-
-
-@pytest.fixture
-def scheduler(tmp_path):
-    settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
-                        store_url=str(tmp_path / "store"), lease_seconds=30.0)
-    migrate(settings.database_url)
-    scheduler = Scheduler(settings, chain_registry(), owner="me")
-    scheduler.store.ensure_ready()
-    yield scheduler
-    scheduler.engine.dispose()
 
 
 def _stage(session, build_id: str, tenant: str, status: str = "running", key: str = "first", **stage) -> Stage:

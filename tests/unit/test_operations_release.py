@@ -8,21 +8,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from cluster.db import migrate
 from cluster.models import Attempt, Build, Stage, Tenant, utcnow
-from cluster.scheduler import Scheduler
-from cluster.settings import Settings
-from tests.integration.control_plane import chain_registry
-
-
-@pytest.fixture
-def scheduler(tmp_path):
-    settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
-                        store_url=str(tmp_path / "store"), lease_seconds=30.0)
-    migrate(settings.database_url)
-    scheduler = Scheduler(settings, chain_registry(), owner="me")
-    yield scheduler
-    scheduler.engine.dispose()
 
 
 def _running(scheduler, owner: str, started, heartbeat) -> int:
