@@ -29,6 +29,7 @@ from pipeline.settings import (
     DeriveSettings,
     ElastifySettings,
     ExpertSettings,
+    ExportSettings,
     LabelSettings,
     LatencySettings,
     ProfileSettings,
@@ -62,6 +63,10 @@ def _profile_from_spec(spec) -> dict:
 
 def _elastify_from_spec(spec) -> dict:
     return {"levels": list(spec.levels), "name": spec.publish.name, "version": spec.publish.version}
+
+
+def _export_from_spec(spec) -> dict:
+    return {"package_levels": list(spec.levels)}
 
 
 def _default_shards(spec) -> dict:
@@ -170,6 +175,12 @@ def run_experts(inputs: Inputs, settings: ExpertSettings, ctx: StageContext) -> 
     return experts.run(inputs, settings, ctx)
 
 
+def run_export(inputs: Inputs, settings: ExportSettings, ctx: StageContext) -> Inputs:
+    from pipeline import export
+
+    return export.run(inputs, settings, ctx)
+
+
 def run_corpus_generate(inputs: Inputs, settings: CorpusSettings, ctx: StageContext) -> Inputs:
     from pipeline import corpus
 
@@ -262,6 +273,13 @@ STAGES: tuple[Stage, ...] = (
         name="experts", run=run_experts, settings=ExpertSettings, inputs={"package": "elastify.package"},
         outputs=("experts",), resources=MODEL_STAGE, enabled_by_default=False,
     ),
+    # Export (issue 15), off by default: `stages.export.enabled: true` writes the finished package's usable
+    # levels (or `settings.levels`) as GGUF and/or a transformers directory; publish puts them beside the package.
+    Stage(
+        name="export", run=run_export, settings=ExportSettings,
+        inputs={"package": PACKAGE, "report": "evaluate.report_card"}, optional_inputs=frozenset({"report"}),
+        outputs=("exports",), resources=MODEL_STAGE, from_spec=_export_from_spec, enabled_by_default=False,
+    ),
     # The recovery corpus (issue 13), what `recover` trains on: the full model answers packaged prompts
     # on shards, then `corpus` merges them with packaged text, disjoint from every evaluation set.
     # The merge has no settings: it takes those the shards were generated with. On by default: the
@@ -280,8 +298,8 @@ STAGES: tuple[Stage, ...] = (
         name="publish", run=run_publish,
         inputs={"package": PACKAGE, "report": "evaluate.report_card", "quality_plot": "evaluate.quality_plot",
                 "latency": "latency.latency", "tlm": ("tlm-decision.tlm", "tlm-score.tlm"),
-                "profiles": "clone-search.profiles", "experts": "experts.experts"},
-        optional_inputs=frozenset({"report", "quality_plot", "latency", "tlm", "profiles", "experts"}),
+                "profiles": "clone-search.profiles", "experts": "experts.experts", "exports": "export.exports"},
+        optional_inputs=frozenset({"report", "quality_plot", "latency", "tlm", "profiles", "experts", "exports"}),
         outputs=("package",), resources=Resources(num_cpus=1), runtime=("signing_key",), max_attempts=3,
         publishes="package",
     ),

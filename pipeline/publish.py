@@ -3,7 +3,8 @@
 Each optional input has an installer that writes it into the package and the manifest:
 quality from the report card, the latency cost model, the TLM, and (CLONE) profiles and
 experts. The input package is copied, never edited in place: stage inputs may be shared
-cache artifacts.
+cache artifacts. The export stage's levels (GGUF, transformers) go beside the package, in
+`exports/` outside its manifest (pipeline.export), so that pulling the package does not fetch them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pipeline.clone_search import install_profiles
 from pipeline.contract import StageSettings
 from pipeline.evaluate import apply_quality, install_quality_plot
 from pipeline.experts import install_experts
+from pipeline.export import install_exports
 from pipeline.latency import apply_latency
 from pipeline.stage import StageContext
 from pipeline.tlm import install_tlm
@@ -48,8 +50,10 @@ def load_private_key(pem: str | bytes):
     return key
 
 
-def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[str, Path] | None = None) -> Path:
-    """Write a signed copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry."""
+def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[str, Path] | None = None,
+                    exports: Path | None = None) -> Path:
+    """Write a signed copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry
+    and the export stage's output, if any, beside it (not in the manifest)."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     extras = extras or {}
     unknown = sorted(set(extras) - set(INSTALLERS))
@@ -64,6 +68,8 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[
             install(staging, Path(extras[name]))
     manifest = sign_manifest(read_manifest(staging), private_key)
     atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
+    if exports is not None:
+        install_exports(staging, Path(exports))
     shutil.rmtree(out_dir, ignore_errors=True)
     staging.rename(out_dir)
     return out_dir
@@ -75,7 +81,10 @@ def run(inputs: dict[str, Path], settings: StageSettings, ctx: StageContext) -> 
     signing_key = ctx.runtime.get("signing_key")
     if not signing_key:
         raise ValueError("publish needs a signing_key (Ed25519 private key, PEM)")
-    extras = {name: Path(path) for name, path in inputs.items() if name != "package"}
-    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(signing_key), extras)
-    ctx.logger.info("installed %s and signed the manifest of %s", sorted(extras) or "nothing", out)
+    extras = {name: Path(path) for name, path in inputs.items() if name not in ("package", "exports")}
+    exports = Path(inputs["exports"]) if "exports" in inputs else None
+    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(signing_key), extras,
+                          exports)
+    ctx.logger.info("installed %s and signed the manifest of %s%s", sorted(extras) or "nothing", out,
+                    "; exports beside it" if exports is not None else "")
     return {"package": out}

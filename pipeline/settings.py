@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from device_sdk.format import DEFAULT_LEVELS, parse_levels
+from device_sdk.format import DEFAULT_LEVELS, Level, parse_levels
 from pipeline.contract import NAMES_CORPORA, NAMES_FILES, StageSettings
 
 RATIO_GRID = [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]  # the TLM's prompt-ratio grid
@@ -386,4 +386,32 @@ class CorpusSettings(StageSettings):
     def _shard_in_range(self) -> CorpusSettings:
         if self.shard >= self.shards:
             raise ValueError(f"shard {self.shard} is not below shards {self.shards}")
+        return self
+
+
+ExportFormat = Literal["gguf", "hf"]  # llama.cpp (device_sdk.export_gguf) and transformers (device_sdk.export)
+
+
+def _level_names(levels: list[StrictFloat | str]) -> list[str]:
+    return _unique([Level(value).name for value in levels])
+
+
+class ExportSettings(StageSettings):
+    """Stage `export` (off by default): each chosen level as a dense model other runtimes load, LoRA merged in."""
+
+    levels: Annotated[list[StrictFloat | str], Field(min_length=1, max_length=MAX_SHARDS),
+                      AfterValidator(_level_names)] | None = None  # None: every level the report card calls usable
+    formats: Annotated[list[ExportFormat], Field(min_length=1), AfterValidator(_unique)] = Field(
+        default_factory=lambda: ["gguf", "hf"])
+    gguf_type: Literal["f16", "q8_0"] = "f16"
+    hf_type: Literal["f32", "f16", "bf16"] = "f32"
+    # The build's levels (supplied from the spec), so that a level the package will not have is refused at submit.
+    package_levels: Levels = Field(default_factory=lambda: [level.ratio for level in DEFAULT_LEVELS])
+
+    @model_validator(mode="after")
+    def _levels_in_package(self) -> ExportSettings:
+        built = {Level(ratio).name for ratio in self.package_levels}
+        missing = [name for name in self.levels or [] if name not in built]
+        if missing:
+            raise ValueError(f"levels {missing} are not levels of this build; it has {sorted(built, key=float)}")
         return self

@@ -156,6 +156,7 @@ BAD_SETTINGS = {
     "experts": ({"tasks": ["arc_easy", "arc_easy"], "temperature": 0}, ["tasks", "temperature"]),
     "corpus-generate": ({"prompts": 0, "sources": ["wikipedia"], "heldout_fraction": 0.5},
                         ["prompts", "sources", "heldout_fraction"]),
+    "export": ({"formats": ["onnx"], "gguf_type": "q4_0"}, ["formats.0", "gguf_type"]),
 }
 
 
