@@ -17,6 +17,7 @@ from pipeline import export, publish
 from pipeline.settings import ExportSettings
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
+from workers.store import artifact_index
 
 BASE = {"source": {"model": "/models/x"}, "publish": {"name": "pkg", "version": "1.0"}, "levels": [0.5, 1.0]}
 
@@ -121,3 +122,8 @@ def test_publish_puts_the_exports_beside_the_signed_package(package, exported, t
     assert index["manifest_sha256"]
     for entry in index["files"]:
         assert (out / export.EXPORTS_DIR / entry["path"]).stat().st_size == entry["size"]
+    # cluster.packages.register_package copies every file of publish's stored artifact to
+    # packages/<name>/<version>/<path>: the exports land there, beside the package.
+    stored = {relative for _, relative in artifact_index(out)[0]}
+    assert {f"{export.EXPORTS_DIR}/{entry['path']}" for entry in index["files"]} < stored
+    assert listed < stored
