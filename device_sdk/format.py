@@ -27,6 +27,10 @@ from typing import Any
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+# Exported levels (llama.cpp, transformers) published beside a package, outside its manifest, with an
+# index of every file's size and sha256 and the manifest digest they were exported from.
+EXPORTS_DIR = "exports"
+EXPORTS_INDEX = f"{EXPORTS_DIR}/index.json"
 WEIGHTS = "model/weights.safetensors"
 CONFIG = "model/config.json"
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2")

@@ -15,12 +15,18 @@ from pathlib import Path
 
 from device_sdk.export import export_hf
 from device_sdk.export_gguf import export_gguf
-from device_sdk.format import MANIFEST, atomic_write_bytes, read_manifest, sha256_file
+from device_sdk.format import (
+    EXPORTS_DIR,
+    EXPORTS_INDEX,
+    MANIFEST,
+    atomic_write_bytes,
+    read_manifest,
+    sha256_file,
+)
 from pipeline.settings import ExportSettings
 from pipeline.stage import StageContext
 
-EXPORTS_DIR = "exports"  # beside the package's files, in the publish output and in the store
-INDEX = "index.json"
+INDEX = EXPORTS_INDEX.removeprefix(f"{EXPORTS_DIR}/")
 
 
 def usable_levels(package_dir: Path, report: dict | None) -> list[str]:

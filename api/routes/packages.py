@@ -15,7 +15,7 @@ from api.schemas import AliasIn, AliasOut, PackageList, PackageVersionList, Pres
 from cluster.packages import package_prefix
 from cluster.service import find_package, list_packages, move_alias, package_versions
 from cluster.spec import NAME_PATTERN, VERSION_PATTERN
-from device_sdk.format import MANIFEST
+from device_sdk.format import EXPORTS_DIR, EXPORTS_INDEX, MANIFEST
 
 router = APIRouter(prefix="/v1/packages", tags=["packages"])
 # Segments may not start with a dot, so `.` and `..` (and hidden files) cannot be named.
@@ -68,10 +68,20 @@ def _listed_files(request: Request, package) -> frozenset[str]:
     listed = _LISTED.get(package.manifest_sha256)
     if listed is None:
         listed = frozenset(entry["path"] for entry in json.loads(_manifest(request, package.uri)).get("files", []))
+        listed |= _exported_files(request, package.uri)
         if len(_LISTED) >= 1024:
             _LISTED.clear()
         _LISTED[package.manifest_sha256] = listed
     return listed
+
+
+def _exported_files(request: Request, prefix: str) -> frozenset[str]:
+    """The files the `export` stage published beside the package (its index lists them), and the index."""
+    try:
+        index = json.loads(store(request).get_bytes(f"{prefix}/{EXPORTS_INDEX}"))
+    except FileNotFoundError:
+        return frozenset()
+    return frozenset({EXPORTS_INDEX, *(f"{EXPORTS_DIR}/{entry['path']}" for entry in index.get("files", []))})
 
 
 @router.get("/{name}/{version}/manifest", responses={

@@ -91,3 +91,32 @@ def test_alias_moves_in_the_database_and_the_store(api, client, acme):
         assert response.status_code in (404, 422), bad
         assert response.headers["content-type"] == "application/problem+json"
     assert client.put("/v1/packages/smol/aliases/ok", json={"version": 1}, headers=acme).status_code == 422
+
+
+def test_exports_published_beside_the_package_are_served_as_their_index_lists(api, client, acme, tmp_path):
+    import json
+
+    from cluster.packages import package_prefix
+    from device_sdk.format import EXPORTS_INDEX
+
+    # As publish stores them: the exports and their index land before the package is first read.
+    gguf = b"GGUF" + bytes(60)
+    index = {"package": "smol", "version": "2.0", "files": [
+        {"level": "0.5", "format": "gguf", "type": "f16", "path": "0.5/gguf/smol-0.5-f16.gguf", "size": len(gguf)}]}
+    prefix = package_prefix("smol", "2.0")
+    source = tmp_path / "export.gguf"
+    source.write_bytes(gguf)
+    api.store.put_file(f"{prefix}/exports/0.5/gguf/smol-0.5-f16.gguf", source)
+    api.store.put_file(f"{prefix}/exports/0.5/gguf/unlisted.bin", source)
+    api.store.put_bytes(f"{prefix}/{EXPORTS_INDEX}", json.dumps(index).encode())
+    build_id = client.post("/v1/builds", json=spec(name="smol", version="2.0"), headers=acme).json()["id"]
+    finish_build(api, build_id)
+    publish_files(api, build_id, "smol", "2.0", {"model/weights.safetensors": WEIGHTS + b"exports"}, tmp_path)
+
+    listed = client.get(f"/v1/packages/smol/2.0/files/{EXPORTS_INDEX}", headers=acme)
+    assert listed.status_code == 200 and listed.json()["files"][0]["level"] == "0.5"
+    served = client.get("/v1/packages/smol/2.0/files/exports/0.5/gguf/smol-0.5-f16.gguf", headers=acme)
+    assert served.status_code == 200 and served.content == gguf
+    # only what the index lists, and only for the version that has it
+    assert client.get("/v1/packages/smol/2.0/files/exports/0.5/gguf/unlisted.bin", headers=acme).status_code == 404
+    assert client.get(f"/v1/packages/smol/1.1/files/{EXPORTS_INDEX}", headers=acme).status_code == 404
