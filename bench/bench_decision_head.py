@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, print_table
+from common import ROOT, interleaved_medians, print_table
 
 from device_sdk.latency import SLO
 from device_sdk.tlm import best_feasible_pair, best_utility_cell
@@ -159,6 +159,17 @@ def main() -> None:
                 per_item[name][i] += value / len(SLO_CLASSES)
                 per_class[name][str(slo)] += value / len(meta["items"])
 
+    # The same stage at 10 steps, both heads round-robin under the same machine load (the 100-step wall
+    # times above ran minutes apart on a shared machine): median of 3, after 1 warm-up each.
+    def short_stage(head):
+        settings = tlm.DecisionSettings(head=head, steps=10, batch_size=16, margin_temperature=args.margin_temperature)
+        return lambda: tlm.run_decision({"tlm": score, "labels": labels}, settings,
+                                        StageContext(work_dir=out / f"short-{head}"))
+
+    short = interleaved_medians({head: short_stage(head) for head in ("slo_token", "utility")}, repeats=3, warmup=1)
+    print("decision stage at 10 steps × 16, interleaved medians: "
+          + ", ".join(f"{head} {seconds:.1f} s" for head, seconds in short.items()))
+
     n = len(meta["items"])
     rows = []
     summary = {}
@@ -180,6 +191,7 @@ def main() -> None:
                "train_items_per_task": args.train_items, "test_items_per_task": args.test_items,
                "margin_temperature": args.margin_temperature, "threads": args.threads,
                "heads": summary, "paired": paired, "decision_stage_seconds": stage_seconds,
+               "decision_stage_seconds_10_steps_interleaved": short,
                "grid_accuracy_held_out": correct.float().mean(0).tolist()}
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=2))
