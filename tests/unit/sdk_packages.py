@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import threading
 from pathlib import Path
 
 import torch
@@ -128,3 +130,17 @@ def publish(package_dir: Path, registry: Path, name: str = "tiny", version: str 
     alias_file.write_text(version)
     return target
 
+
+
+@contextlib.contextmanager
+def serving(model, **options):
+    """`elastify-device serve`'s server for `model` on a free port in a thread; yields the port."""
+    from device_sdk.serve import make_server
+
+    server = make_server(model, port=0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -14,7 +14,7 @@ from device_sdk.cli import main as device_cli
 from device_sdk.latency import SLO, Decision, LatencyProfile, profile_path
 from device_sdk.runtime import ElasticModel
 from device_sdk.serve import make_server, parse_slo
-from tests.unit.sdk_packages import fixed_profile_model, public_bytes, signing_key, tiny_package
+from tests.unit.sdk_packages import fixed_profile_model, public_bytes, serving, signing_key, tiny_package
 
 KEY = signing_key()
 
@@ -120,13 +120,10 @@ def post(port: int, body: dict) -> tuple[int, bytes]:
     return response.status, response.read()
 
 
-@pytest.fixture
-def serving(model):
-    server = make_server(model, port=0, max_queue=2)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+@pytest.fixture(name="serving")
+def serving_port(model):
+    with serving(model, max_queue=2) as port:
+        yield port
 
 
 def test_sdk_serve_completion_and_stream(serving, model):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import threading
 from pathlib import Path
 
 import openai
@@ -13,8 +12,7 @@ import pytest
 
 from device_sdk.chat import ChatTemplate
 from device_sdk.runtime import ElasticModel, Sampling
-from device_sdk.serve import make_server
-from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
+from tests.unit.sdk_packages import serving, sign_package, signing_key, tiny_package
 
 KEY = signing_key()
 # A template with the features real ones use: a default system turn, loop.first, raise_exception.
@@ -42,11 +40,8 @@ def model(package) -> ElasticModel:
 
 @pytest.fixture(scope="module")
 def port(model):
-    server = make_server(model, port=0, max_queue=2)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield server.server_address[1]
-    server.shutdown()
-    server.server_close()
+    with serving(model, max_queue=2) as free_port:
+        yield free_port
 
 
 @pytest.fixture(scope="module")
@@ -169,16 +164,11 @@ def test_openai_bad_chats_are_400(client):
 
 def test_a_package_without_a_chat_template_refuses_chat(tmp_path):
     _, path = tiny_package("llama_mha", tmp_path / "pkg", KEY)
-    server = make_server(ElasticModel.load(path, allow_unsigned=True), port=0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-", max_retries=0)
+    with serving(ElasticModel.load(path, allow_unsigned=True)) as free_port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0)
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}])
         assert "no chat template" in refused.value.message
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_keep_alive_survives_a_404_and_a_400(port):
@@ -205,16 +195,11 @@ def test_smollm2_chat_matches_transformers_template_and_answers(smollm2, smollm2
     template = ChatTemplate.load(smollm2_package / "model")
     assert template.render(messages) == smollm2.tokenizer.apply_chat_template(messages, tokenize=False,
                                                                               add_generation_prompt=True)
-    server = make_server(ElasticModel.load(smollm2_package, allow_unsigned=True), port=0)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.server_address[1]}/v1", api_key="-", max_retries=0)
+    with serving(ElasticModel.load(smollm2_package, allow_unsigned=True)) as free_port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0)
         reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24)
         assert "Paris" in reply.choices[0].message.content
         assert "<|im_end|>" not in reply.choices[0].message.content
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_chunked_bodies_are_read_whole_and_a_bad_one_closes_the_connection(port):
