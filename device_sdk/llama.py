@@ -110,6 +110,13 @@ class KVCache:
         values[layer, :, :groups, self.length : end] = v
         return keys[layer, :, :groups, :end], values[layer, :, :groups, :end]
 
+    def truncate(self, length: int) -> None:
+        """Forget every token after the first `length`: a shared prefix stays, the continuation that
+        ran on it goes (the next update overwrites its slots)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} tokens to {length}")
+        self.length = length
+
     def select_rows(self, rows: torch.Tensor) -> KVCache:
         """A new cache whose row i continues row `rows[i]` of this one (a shared prompt, many continuations)."""
         picked = KVCache(self.shape[0], self.max_len, self.shape[1], self.shape[3])

