@@ -1,0 +1,410 @@
+"""ElastiLM's end-to-end trace on SmolLM2: requests in six SLO classes served by the device SDK per policy.
+
+The chain's stage code runs as in bench_decision_head.py (its functions, its cached outputs under
+--out): latency → tlm-score → label → label-derive → tlm-decision for each head, held-in items 0..
+per task; the held-out items (--test-ranges, from item 300) are labelled on the same grid and are
+asserted disjoint from the held-in ones.
+
+Trace. `pipeline.trace.make_trace`: --requests requests in ElastiLM's six SLO classes (TTFT, TPOT
+fractions) (1, 1), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5); class k is tied to task
+k mod len(tasks) (four labelled tasks stand in for ElastiLM's six, so classes 5 and 6 reuse the first
+two) and asks that task's held-out items, each about equally often. Class skew α: class k gets a share
+∝ (1 + α)^k (0 = loosest), rounded so the counts sum to the total; α = 0, +0.25 (tight-heavy), −0.25.
+The trace is shuffled with --seed.
+
+Serving. One SDK model (`ElasticModel`, native decoder, --threads, one by default) serves every
+request of the α = 0 trace once per served policy through `generate` with --new-tokens new tokens (the
+end-of-sequence token is switched off so every request decodes that many: TPOT needs them, the text is
+not scored). SLO targets are absolute: the fractions times the full model's TTFT and TPOT for that same
+prompt on this machine (full model, full prompt, no TLM; the median of --full-runs generate calls per
+item). The SDK decides against this machine's device profile (`measure_profile`, measured at the start,
+plus each TLM's own time) with the TLM decision and compression inside the measured TTFT. A violation is
+a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio, level) cell:
+
+  ours (utility)     the utility head via the SDK's tlm_decider: the feasible cell most likely right
+  ours (SLO-token)   ElastiLM's head via tlm_decider, restricted to the labelled grid
+  LLM-Pruner         the largest feasible level on the full prompt (the SDK's own fallback, choose_level)
+  LLMLingua-2        the TLM score head compresses: the largest feasible level, then the most-kept ratio
+  ShortGPT           drop the layers of least block influence (the package's profile scores) down to
+                     the deepest feasible depth: 0-width layers through the SDK's per-layer widths (as a
+                     CLONE profile), each depth's latency line measured on this machine like a level's
+  random feasible    the exact expectation of a uniform draw among feasible cells (not served)
+  oracle             the best feasible cell per item: an upper bound, not a policy (not served)
+
+Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`). The accuracy of a request
+is the label of the cell it was served at: the multiple-choice scoring of that item at that cell (option
+log-likelihood, the `label` stage; ShortGPT's depths are scored here the same way). The served prompt is
+compressed by the SDK's TLM as the device does; the label's compression is the label stage's.
+
+α = ±0.25 reuse the α = 0 served results: every (item, class) pair of those traces occurs in the α = 0
+trace (asserted), decisions are deterministic per pair, and the j-th request of a pair takes the pair's
+j-th α = 0 measurement (cycling). Intervals are 95% bootstrap intervals resampling items (a request
+repeating an item is not new evidence); the paired difference is ours (utility) − the best baseline that
+respects the cost model, over the same requests. Violations are counted on this machine while others
+run: they mean something only on a quiet machine; the load average is in the JSON.
+
+  nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
+  nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_decision_head import cached, derive, sweep, train
+from common import ROOT, print_table
+
+from device_sdk.format import CloneProfile
+from device_sdk.latency import (
+    SLO,
+    Decision,
+    LatencyProfile,
+    measure_level,
+    measure_profile,
+)
+from device_sdk.runtime import ElasticModel
+from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
+from pipeline import label, latency, tlm
+from pipeline.stage import StageContext
+from pipeline.trace import (
+    TRACE_CLASSES,
+    bootstrap_ci,
+    feasible_mask,
+    largest_level_full_prompt,
+    largest_level_most_kept,
+    make_trace,
+    oracle,
+    paired_difference_ci,
+    policy_profile,
+    random_feasible_expectation,
+)
+
+SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT"]
+BASELINES = ["LLM-Pruner", "LLMLingua-2", "ShortGPT", "random feasible"]
+
+
+class LabelledGrid:
+    """An SLO-token TLM whose decision may pick only cells of the labelled grid (its own grid is wider)."""
+
+    decision_head = "slo_token"
+
+    def __init__(self, tlm_: TLM, ratios: list[float], levels: list[str]):
+        self.tlm, self.ratios, self.levels = tlm_, ratios, levels
+
+    def decide(self, prompt, ttft_fraction, tpot_fraction, is_feasible):
+        ratio, level, met = self.tlm.decide(prompt, ttft_fraction, tpot_fraction,
+                                            lambda r, m: r in self.ratios and m in self.levels and is_feasible(r, m))
+        return (ratio, level, True) if met else (min(self.ratios), level, False)  # the grid's lightest
+
+
+def shortgpt_profiles(model: ElasticModel, keeps: list[float]) -> dict[str, CloneProfile]:
+    """Per kept fraction of layers: the full widths with the least block-influence layers at width 0."""
+    full = model.manifest.elastic.level(model.available_levels()[-1])
+    scores = model.manifest.elastic.importance["layer_scores"]
+    layers = len(scores)
+    ranked = sorted(range(layers), key=lambda i: scores[i])  # least influence first
+    profiles = {}
+    for keep in keeps:
+        dropped = set(ranked[: layers - round(keep * layers)])
+        profiles[f"{keep:.1f}"] = CloneProfile(
+            [0 if i in dropped else a for i, a in enumerate(full.attn_units)],
+            [0 if i in dropped else m for i, m in enumerate(full.mlp_units)],
+            ppl=math.nan, latency_ms=0.0, energy_j=0.0, origin="shortgpt")
+    return profiles
+
+
+def shortgpt_labels(package: Path, items, profiles: dict[str, CloneProfile], path: Path) -> torch.Tensor:
+    """[items, depths] correctness of the multiple-choice scoring at each depth (as the label stage scores)."""
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        if saved["items"] == [it.id for it in items] and saved["depths"] == list(profiles):
+            return torch.tensor(saved["correct"], dtype=torch.bool)
+    worker = label.LabelWorker(package, None)
+    correct = torch.zeros(len(items), len(profiles), dtype=torch.bool)
+    for d, profile in enumerate(profiles.values()):
+        worker.model.set_widths(profile.attn_units, profile.mlp_units)
+        for i, item in enumerate(items):
+            correct[i, d] = bool(label.answers_correct(worker.model, worker.tokenizer, item, [None])[0])
+    path.write_text(json.dumps({"items": [it.id for it in items], "depths": list(profiles),
+                                "correct": correct.tolist()}))
+    return correct
+
+
+def timed_generate(model: ElasticModel, prompt: str, new_tokens: int, **kwargs) -> dict:
+    g = model.generate(prompt, max_new_tokens=new_tokens, **kwargs)
+    return {"ttft_ms": g.ttft_ms, "tpot_ms": g.tpot_ms, "level": g.level, "decision": g.decision}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", type=Path, required=True, help="elastified package with level adapters")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-decision-head"),
+                        help="stage outputs (bench_decision_head's, reused)")
+    parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq")
+    parser.add_argument("--ratios", default="0.5,0.7,1.0")
+    parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
+    parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
+    parser.add_argument("--test-ranges", default="300:315,315:340", help="held-out item ranges per task")
+    parser.add_argument("--margin-temperature", type=float, default=0.5)
+    parser.add_argument("--requests", type=int, default=600)
+    parser.add_argument("--alphas", default="0,0.25,-0.25")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--new-tokens", type=int, default=6)
+    parser.add_argument("--full-runs", type=int, default=3, help="generate calls of the full model per item")
+    parser.add_argument("--depths", default="1.0,0.9,0.8,0.7,0.6,0.5,0.4", help="ShortGPT: kept layer fractions")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="4 held-out items per task, 48 requests")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
+    parser.add_argument("--png", type=Path, default=ROOT / "bench" / "results" / "trace.png")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    out, package = args.out, args.package
+    tasks, ratios, levels = args.tasks.split(","), [float(x) for x in args.ratios.split(",")], args.levels.split(",")
+    alphas = [float(a) for a in args.alphas.split(",")]
+    if args.smoke:
+        args.requests, args.full_runs = 48, 2
+        args.results = args.results.with_name(args.results.stem + "-smoke.json")
+        args.png = args.png.with_name(args.png.stem + "-smoke.png")
+
+    # ---- the chain's stages (cached under --out), held-out labels, the TLMs
+    lat = cached(out / "latency" / "latency.json", lambda: latency.run(
+        {"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=1),
+        StageContext(work_dir=out / "latency"))["latency"])
+    score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
+        {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
+        StageContext(work_dir=out / "tlm-score"))["tlm"])
+    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels)
+    test_pairs = []
+    for span in args.test_ranges.split(","):
+        start, stop = (int(x) for x in span.split(":"))
+        shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels)
+        test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(tasks))]
+    labels = derive(package, lat, train_shards, out / "derive")
+    heads = {name: TLM.load(train(score, labels, head, 0, out / f"decision-{head}-{args.margin_temperature}-0",
+                                  args.margin_temperature)[0])
+             for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
+    correct, tokens, meta = label.load_shards(test_pairs)
+    assert (meta["ratios"], meta["levels"]) == (ratios, levels)
+    held_in = {item["id"] for k in range(len(tasks))
+               for item in json.loads(Path(train_shards[f"meta.{k}"]).read_text())["items"]}
+    row = {item["id"]: i for i, item in enumerate(meta["items"])}
+    if args.smoke:
+        keep = {t: [it["id"] for it in meta["items"] if it["task"] == t][:4] for t in tasks}
+        row = {i: row[i] for ids in keep.values() for i in ids}
+    assert not held_in & set(row), "held-out items overlap the TLM's training items"
+    prompts = {item["id"]: item["prompt"] for item in meta["items"]}
+    pools = [[i for i in row if meta["items"][row[i]]["task"] == tasks[k % len(tasks)]]
+             for k in range(len(TRACE_CLASSES))]
+    traces = {alpha: make_trace(args.requests, pools, alpha, args.seed) for alpha in alphas}
+
+    # ---- the device: one SDK model, this machine's profile, ShortGPT's depths
+    model = ElasticModel.load(package, allow_unsigned=True)
+    model.eos_ids = set()  # every request decodes --new-tokens tokens
+    for shape in model.manifest.elastic.levels:  # decisions (and their best-effort fallback) stay on the labelled grid
+        shape.usable = shape.usable and shape.name in levels
+    device = measure_profile(model, levels=levels, repeats=3)
+    tlm_latency = {name: measure_tlm_latency(head, repeats=3) for name, head in heads.items()}
+    depth_profiles = shortgpt_profiles(model, [float(x) for x in args.depths.split(",")])
+    depth_latency = {}
+    for name, profile in depth_profiles.items():
+        model.set_widths(profile.attn_units, profile.mlp_units)
+        depth_latency[name] = measure_level(model, (32, 128), decode_tokens=16, repeats=3)
+    depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency)
+    model.profiles = lambda: depth_profiles  # served as CLONE profiles are
+    items_by_id = {}
+    for span in args.test_ranges.split(","):
+        start, stop = (int(x) for x in span.split(":"))
+        items_by_id |= {it.id: it for t in tasks for it in label.load_items([t], start, stop)}
+    depth_correct = shortgpt_labels(package, [items_by_id[i] for i in row], depth_profiles,
+                                    out / f"shortgpt-labels{'-smoke' if args.smoke else ''}.json")
+    depth_row = {item: d for d, item in enumerate(row)}
+    full_cell = (ratios.index(1.0), levels.index(levels[-1]))
+    agree = statistics.fmean(float(depth_correct[depth_row[i], 0] == correct[row[i], full_cell[0], full_cell[1]])
+                             for i in row)
+    print(f"[{time.perf_counter() - started:.0f} s] device profile, ShortGPT depths measured; "
+          f"depth 1.0 labels agree with the grid's full cell on {agree:.3f} of items", flush=True)
+
+    # ---- the full model per prompt: the SLO targets
+    model.set_level(levels[-1])
+    full = {}
+    for i in row:
+        runs = [timed_generate(model, prompts[i], args.new_tokens, level=levels[-1]) for _ in range(args.full_runs)]
+        full[i] = (statistics.median(r["ttft_ms"] for r in runs), statistics.median(r["tpot_ms"] for r in runs))
+    print(f"[{time.perf_counter() - started:.0f} s] full model measured on {len(full)} prompts", flush=True)
+
+    # ---- serve the α = 0 trace, every request once per policy
+    n_tokens = {i: int(tokens[row[i]]) for i in row}
+
+    def baseline_decider(choose, decides: bool, compresses: bool):
+        def decide(prompt, prompt_tokens, slo, profile, _levels):
+            paid = policy_profile(profile, decides, compresses)
+            r, m, met = choose(feasible_mask(paid, ratios, levels, prompt_tokens, slo))
+            return Decision(levels[m], ratios[r], met)
+        return decide
+
+    def serve(policy: str, item: str, slo: SLO) -> dict:
+        if policy == "ShortGPT":
+            mask = feasible_mask(depth_device, [1.0], list(depth_profiles), n_tokens[item], slo)
+            _, d, met = largest_level_full_prompt(mask)
+            name = list(depth_profiles)[d]
+            served = timed_generate(model, prompts[item], args.new_tokens, slo=slo, level=levels[-1], profile=name)
+            return served | {"cell": name, "feasible": met, "correct": bool(depth_correct[depth_row[item], d])}
+        served = timed_generate(model, prompts[item], args.new_tokens, slo=slo)
+        decision = served.pop("decision")
+        r, m = ratios.index(decision.prompt_ratio), levels.index(decision.level)
+        return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible,
+                         "correct": bool(correct[row[item], r, m])}
+
+    setups = {
+        "ours (utility)": (heads["ours (utility)"], tlm_decider(heads["ours (utility)"]), True),
+        "ours (SLO-token)": (heads["ours (SLO-token)"],
+                             tlm_decider(LabelledGrid(heads["ours (SLO-token)"], ratios, levels)), True),
+        "LLM-Pruner": (None, baseline_decider(largest_level_full_prompt, False, False), False),
+        "LLMLingua-2": (heads["ours (utility)"], baseline_decider(largest_level_most_kept, False, True), True),
+        "ShortGPT": (None, None, False),
+    }
+    base = traces[0.0]
+    served = {policy: [] for policy in SERVED}
+    for policy in SERVED:
+        head, decide, compresses = setups[policy]
+        model.tlm, model.decide = head, decide
+        model.compress = model._compress if compresses else None
+        model.latency_profile = LatencyProfile(device.weight_format, device.threads, device.levels,
+                                               tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]))
+        for request in base:
+            slo_class = TRACE_CLASSES[request.slo_class]
+            target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
+            result = serve(policy, request.item, target)
+            result["violated"] = not target.met(result["ttft_ms"], result["tpot_ms"])
+            result["target"] = [target.ttft_ms, target.tpot_ms]
+            served[policy].append(result)
+        print(f"[{time.perf_counter() - started:.0f} s] served {len(base)} requests: {policy}", flush=True)
+    load_after = os.getloadavg()
+
+    # ---- the α traces: per request, each policy's correctness and violation
+    occurrences = {}
+    for j, request in enumerate(base):
+        occurrences.setdefault((request.item, request.slo_class), []).append(j)
+    results = {}
+    for alpha, trace in traces.items():
+        seen: dict[tuple, int] = {}
+        per = {p: {"correct": [], "violated": [], "feasible": []} for p in [*SERVED, "random feasible", "oracle"]}
+        for request in trace:
+            key = (request.item, request.slo_class)
+            assert key in occurrences, "an α trace asks an (item, class) pair the α = 0 trace did not serve"
+            j = occurrences[key][seen.get(key, 0) % len(occurrences[key])]
+            seen[key] = seen.get(key, 0) + 1
+            for policy in SERVED:
+                for field in ("correct", "violated", "feasible"):
+                    per[policy][field].append(served[policy][j][field])
+            slo_class = TRACE_CLASSES[request.slo_class]
+            target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
+            paid = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
+                                                 tlm=tlm_latency["ours (utility)"]), False, True)
+            mask = feasible_mask(paid, ratios, levels, n_tokens[request.item], target)
+            cells = correct[row[request.item]]
+            per["random feasible"]["correct"].append(random_feasible_expectation(cells, mask))
+            per["oracle"]["correct"].append(oracle(cells, mask))
+            for name in ("random feasible", "oracle"):
+                per[name]["feasible"].append(bool(mask.any()))
+        results[alpha] = summarise(trace, per)
+    report = {"requests": args.requests, "served_requests_per_policy": len(base), "held_out_items": len(row),
+              "items_per_task": {t: sum(meta["items"][row[i]]["task"] == t for i in row) for t in tasks},
+              "class_tasks": [tasks[k % len(tasks)] for k in range(len(TRACE_CLASSES))],
+              "classes": TRACE_CLASSES, "ratios": ratios, "levels": levels, "shortgpt_depths": list(depth_profiles),
+              "shortgpt_depth_1_agrees_with_full_cell": agree, "new_tokens": args.new_tokens,
+              "full_runs": args.full_runs, "threads": args.threads, "seed": args.seed, "smoke": args.smoke,
+              "loadavg_before": load_before, "loadavg_after": load_after,
+              "seconds": round(time.perf_counter() - started, 1),
+              "device_profile": {m: vars(v) for m, v in device.levels.items()},
+              "tlm_latency": {k: vars(v) for k, v in tlm_latency.items()},
+              "shortgpt_profile": {m: vars(v) for m, v in depth_latency.items()},
+              "alphas": {str(a): r for a, r in results.items()}}
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(report, indent=2) + "\n")
+    for alpha, result in results.items():
+        show(alpha, result, len(row))
+    plot(results[0.0], args.png, len(row), args.requests)
+    print(f"raw JSON: {args.results}; figure: {args.png}; load average {load_before} → {load_after}")
+
+
+def summarise(trace, per: dict) -> dict:
+    """Per policy: accuracy overall and per class with item-resampling 95% intervals, violations; the paired
+    difference ours (utility) − the best cost-model-respecting baseline; ours ÷ oracle."""
+    items = [r.item for r in trace]
+    out = {"counts": [sum(r.slo_class == k for r in trace) for k in range(len(TRACE_CLASSES))], "policies": {}}
+    for policy, rows in per.items():
+        overall = bootstrap_ci(rows["correct"], items)
+        classes = []
+        for k in range(len(TRACE_CLASSES)):
+            picked = [j for j, r in enumerate(trace) if r.slo_class == k]
+            classes.append(bootstrap_ci([rows["correct"][j] for j in picked], [items[j] for j in picked]))
+        entry = {"accuracy": overall, "per_class": classes, "feasible": sum(rows["feasible"])}
+        if rows["violated"]:
+            entry["violations"] = sum(rows["violated"])
+            entry["violations_where_feasible"] = sum(v and f for v, f in zip(rows["violated"], rows["feasible"],
+                                                                             strict=True))
+        out["policies"][policy] = entry
+    best = max(BASELINES, key=lambda p: out["policies"][p]["accuracy"][0])
+    ours = per["ours (utility)"]["correct"]
+    out["best_baseline"] = best
+    out["paired_vs_best_baseline"] = paired_difference_ci(ours, per[best]["correct"], items)
+    out["paired_vs_slo_token"] = paired_difference_ci(ours, per["ours (SLO-token)"]["correct"], items)
+    out["ours_over_oracle"] = out["policies"]["ours (utility)"]["accuracy"][0] / out["policies"]["oracle"]["accuracy"][0]
+    return out
+
+
+def show(alpha: float, result: dict, items: int) -> None:
+    def ci(v):
+        return f"{v[0]:.3f} [{v[1]:.3f}, {v[2]:.3f}]"
+
+    rows = []
+    for policy, entry in result["policies"].items():
+        violations = f"{entry['violations']} ({entry['violations_where_feasible']})" if "violations" in entry else "—"
+        rows.append([policy, ci(entry["accuracy"]), *(f"{c[0]:.2f}" for c in entry["per_class"]),
+                     violations, entry["feasible"]])
+    print_table(f"α = {alpha:+.2f}: {sum(result['counts'])} requests {result['counts']} over {items} held-out items; "
+                "accuracy [95% item bootstrap]", ["policy", "overall", *map(str, TRACE_CLASSES),
+                                                  "violations (where feasible)", "feasible"], rows)
+    diff = result["paired_vs_best_baseline"]
+    print(f"ours (utility) − {result['best_baseline']}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]; "
+          f"− SLO-token {result['paired_vs_slo_token'][0]:+.3f}; ours ÷ oracle {result['ours_over_oracle']:.3f}")
+
+
+def plot(result: dict, path: Path, items: int, requests: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(result["policies"])
+    groups = [*map(str, TRACE_CLASSES), "overall"]
+    width = 0.8 / len(policies)
+    fig, ax = plt.subplots(figsize=(12, 4.5))
+    for p, policy in enumerate(policies):
+        entry = result["policies"][policy]
+        values = [*entry["per_class"], entry["accuracy"]]
+        xs = [g + (p - (len(policies) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [v[0] for v in values], width, label=policy,
+               yerr=[[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]], capsize=2)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_xlabel("SLO class (TTFT, TPOT fraction of the full model)")
+    ax.set_ylabel("accuracy (labelled correctness of the served cell)")
+    ax.set_title(f"SmolLM2 trace, α = 0: {requests} requests, {items} held-out items; 95% item-bootstrap intervals")
+    ax.legend(ncol=4, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
