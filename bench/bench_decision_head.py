@@ -39,13 +39,16 @@ def cached(path: Path, make):
     return path if path.exists() else make()
 
 
-def sweep(package: Path, score: Path, out: Path, tasks: list[str], start: int, per_task: int, ratios, levels):
+def sweep(package: Path, score: Path, out: Path, tasks: list[str], start: int, per_task: int, ratios, levels,
+          shots: int = 0):
+    """Label shards per task (items [start, start + per_task)), reused from `out` when there; zero-shot
+    prompts unless `shots` (the label stage's few-shot block)."""
     shards = {}
     for index, task in enumerate(tasks):
-        work = out / f"{task}-{start}"
+        work = out / (f"{task}-{start}" + (f"-{shots}shot" if shots else ""))
         if not (work / "correctness.json").is_file():
             settings = label.LabelSettings(tasks=[task], start=start, stop=start + per_task, per_task=None,
-                                           ratios=ratios, levels=levels)
+                                           ratios=ratios, levels=levels, shots=shots)
             label.run({"package": package, "tlm": score}, settings, StageContext(work_dir=work))
         shards[f"correctness.{index}"] = work / "correctness.safetensors"
         shards[f"meta.{index}"] = work / "correctness.json"

@@ -120,19 +120,22 @@ def shortgpt_profiles(model: ElasticModel, keeps: list[float]) -> dict[str, Clon
     return profiles
 
 
-def shortgpt_labels(package: Path, items, profiles: dict[str, CloneProfile], path: Path) -> torch.Tensor:
-    """[items, depths] correctness of the multiple-choice scoring at each depth (as the label stage scores)."""
+def shortgpt_labels(package: Path, items, prompts: list[str], profiles: dict[str, CloneProfile],
+                    path: Path) -> torch.Tensor:
+    """[items, depths] correctness of the multiple-choice scoring at each depth on the labelled prompt at
+    ratio 1 (as the label stage scores a cell); reused from `path` when it holds the same items and depths."""
     if path.is_file():
         saved = json.loads(path.read_text())
-        if saved["items"] == [it.id for it in items] and saved["depths"] == list(profiles):
+        if (saved["items"], saved["prompts"], saved["depths"]) == ([it.id for it in items], prompts, list(profiles)):
             return torch.tensor(saved["correct"], dtype=torch.bool)
     worker = label.LabelWorker(package, None)
     correct = torch.zeros(len(items), len(profiles), dtype=torch.bool)
     for d, profile in enumerate(profiles.values()):
         worker.model.set_widths(profile.attn_units, profile.mlp_units)
-        for i, item in enumerate(items):
-            correct[i, d] = bool(label.answers_correct(worker.model, worker.tokenizer, item, [None])[0])
-    path.write_text(json.dumps({"items": [it.id for it in items], "depths": list(profiles),
+        for i, (item, prompt) in enumerate(zip(items, prompts, strict=True)):
+            scores = label.choice_scores(worker.model, worker.tokenizer, [prompt], item.choices)
+            correct[i, d] = int(scores[0].argmax()) == item.gold
+    path.write_text(json.dumps({"items": [it.id for it in items], "prompts": prompts, "depths": list(profiles),
                                 "correct": correct.tolist()}))
     return correct
 
@@ -152,6 +155,8 @@ def main() -> None:
     parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
     parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
     parser.add_argument("--test-ranges", default="300:315,315:340", help="held-out item ranges per task")
+    parser.add_argument("--shots", type=int, default=0,
+                        help="the label stage's few-shot block (LabelSettings.shots); 0: zero-shot prompts")
     parser.add_argument("--margin-temperature", type=float, default=0.5)
     parser.add_argument("--requests", type=int, default=600)
     parser.add_argument("--alphas", default="0,0.25,-0.25")
@@ -172,8 +177,7 @@ def main() -> None:
     alphas = [float(a) for a in args.alphas.split(",")]
     if args.smoke:
         args.requests, args.full_runs = 48, 2
-        args.results = args.results.with_name(args.results.stem + "-smoke.json")
-        args.png = args.png.with_name(args.png.stem + "-smoke.png")
+        args.results, args.png = out / "trace-smoke.json", out / "trace-smoke.png"  # not the committed results
 
     # ---- the chain's stages (cached under --out), held-out labels, the TLMs
     lat = cached(out / "latency" / "latency.json", lambda: latency.run(
@@ -182,14 +186,16 @@ def main() -> None:
     score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
         {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
         StageContext(work_dir=out / "tlm-score"))["tlm"])
-    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels)
+    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels, args.shots)
     test_pairs = []
     for span in args.test_ranges.split(","):
         start, stop = (int(x) for x in span.split(":"))
-        shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels)
+        shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels, args.shots)
         test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(tasks))]
-    labels = derive(package, lat, train_shards, out / "derive")
-    heads = {name: TLM.load(train(score, labels, head, 0, out / f"decision-{head}-{args.margin_temperature}-0",
+    shot_tag = f"-{args.shots}shot" if args.shots else ""  # bench_decision_head's zero-shot outputs are reused
+    labels = derive(package, lat, train_shards, out / f"derive{shot_tag}")
+    heads = {name: TLM.load(train(score, labels, head, 0,
+                                  out / f"decision-{head}-{args.margin_temperature}-0{shot_tag}",
                                   args.margin_temperature)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
     correct, tokens, meta = label.load_shards(test_pairs)
@@ -224,8 +230,9 @@ def main() -> None:
     for span in args.test_ranges.split(","):
         start, stop = (int(x) for x in span.split(":"))
         items_by_id |= {it.id: it for t in tasks for it in label.load_items([t], start, stop)}
-    depth_correct = shortgpt_labels(package, [items_by_id[i] for i in row], depth_profiles,
-                                    out / f"shortgpt-labels{'-smoke' if args.smoke else ''}.json")
+    assert all(items_by_id[i].prompt() in prompts[i] for i in row)  # the labelled prompt is this item's
+    depth_correct = shortgpt_labels(package, [items_by_id[i] for i in row], [prompts[i] for i in row],
+                                    depth_profiles, out / "shortgpt-labels.json")
     depth_row = {item: d for d, item in enumerate(row)}
     full_cell = (ratios.index(1.0), levels.index(levels[-1]))
     agree = statistics.fmean(float(depth_correct[depth_row[i], 0] == correct[row[i], full_cell[0], full_cell[1]])
@@ -322,7 +329,8 @@ def main() -> None:
               "class_tasks": [tasks[k % len(tasks)] for k in range(len(TRACE_CLASSES))],
               "classes": TRACE_CLASSES, "ratios": ratios, "levels": levels, "shortgpt_depths": list(depth_profiles),
               "shortgpt_depth_1_agrees_with_full_cell": agree, "new_tokens": args.new_tokens,
-              "full_runs": args.full_runs, "threads": args.threads, "seed": args.seed, "smoke": args.smoke,
+              "full_runs": args.full_runs, "shots": args.shots, "tasks": tasks, "threads": args.threads,
+              "seed": args.seed, "smoke": args.smoke,
               "loadavg_before": load_before, "loadavg_after": load_after,
               "seconds": round(time.perf_counter() - started, 1),
               "device_profile": {m: vars(v) for m, v in device.levels.items()},
