@@ -68,6 +68,7 @@ from device_sdk.latency import (
     LatencyProfile,
     measure_level,
     measure_profile,
+    predicted_ttft_ms,
 )
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
@@ -168,7 +169,12 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="4 held-out items per task, 48 requests")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
     parser.add_argument("--png", type=Path, default=ROOT / "bench" / "results" / "trace.png")
+    parser.add_argument("--plot-only", action="store_true", help="redraw --png from the --results JSON")
     args = parser.parse_args()
+    if args.plot_only:
+        report = json.loads(args.results.read_text())
+        plot(report["alphas"]["0.0"], args.png, report["held_out_items"], report["requests"])
+        return
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -264,12 +270,17 @@ def main() -> None:
             _, d, met = largest_level_full_prompt(mask)
             name = list(depth_profiles)[d]
             served = timed_generate(model, prompts[item], args.new_tokens, slo=slo, level=levels[-1], profile=name)
-            return served | {"cell": name, "feasible": met, "correct": bool(depth_correct[depth_row[item], d])}
+            served.pop("decision")
+            return served | {"cell": name, "feasible": met, "correct": bool(depth_correct[depth_row[item], d]),
+                             "predicted_ms": [depth_device.ttft_ms(name, n_tokens[item]), depth_device.tpot_ms(name)]}
         served = timed_generate(model, prompts[item], args.new_tokens, slo=slo)
         decision = served.pop("decision")
         r, m = ratios.index(decision.prompt_ratio), levels.index(decision.level)
+        paid = policy_profile(model.latency_profile, policy.startswith("ours"), model.compress is not None)
         return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible,
-                         "correct": bool(correct[row[item], r, m])}
+                         "correct": bool(correct[row[item], r, m]),
+                         "predicted_ms": [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item]),
+                                          paid.tpot_ms(levels[m])]}
 
     setups = {
         "ours (utility)": (heads["ours (utility)"], tlm_decider(heads["ours (utility)"]), True),
@@ -293,7 +304,7 @@ def main() -> None:
             result = serve(policy, request.item, target)
             result["violated"] = not target.met(result["ttft_ms"], result["tpot_ms"])
             result["target"] = [target.ttft_ms, target.tpot_ms]
-            served[policy].append(result)
+            served[policy].append(result | {"item": request.item, "slo_class": request.slo_class})
         print(f"[{time.perf_counter() - started:.0f} s] served {len(base)} requests: {policy}", flush=True)
     load_after = os.getloadavg()
 
@@ -336,7 +347,8 @@ def main() -> None:
               "device_profile": {m: vars(v) for m, v in device.levels.items()},
               "tlm_latency": {k: vars(v) for k, v in tlm_latency.items()},
               "shortgpt_profile": {m: vars(v) for m, v in depth_latency.items()},
-              "alphas": {str(a): r for a, r in results.items()}}
+              "alphas": {str(a): r for a, r in results.items()},
+              "served_alpha_0": served}  # per policy, per request of the α = 0 trace, in trace order
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(report, indent=2) + "\n")
     for alpha, result in results.items():
@@ -403,12 +415,14 @@ def plot(result: dict, path: Path, items: int, requests: int) -> None:
         values = [*entry["per_class"], entry["accuracy"]]
         xs = [g + (p - (len(policies) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [v[0] for v in values], width, label=policy,
-               yerr=[[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]], capsize=2)
+               yerr=[[v[0] - v[1] for v in values], [v[2] - v[0] for v in values]], capsize=2,
+               error_kw={"elinewidth": 0.7, "ecolor": "0.35"})
     ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylim(0, 1.0)
     ax.set_xlabel("SLO class (TTFT, TPOT fraction of the full model)")
-    ax.set_ylabel("accuracy (labelled correctness of the served cell)")
+    ax.set_ylabel("accuracy (label of the served cell)")
     ax.set_title(f"SmolLM2 trace, α = 0: {requests} requests, {items} held-out items; 95% item-bootstrap intervals")
-    ax.legend(ncol=4, fontsize=8)
+    ax.legend(ncol=len(policies), fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
