@@ -13,7 +13,10 @@ two) and asks that task's held-out items, each about equally often. Class skew �
 The trace is shuffled with --seed.
 
 Serving. One SDK model (`ElasticModel`, native decoder, --threads, one by default) serves every
-request of the α = 0 trace once per served policy through `generate` with --new-tokens new tokens (the
+request of the α = 0 trace once per served policy through `generate` with --new-tokens new tokens, item
+by item (the item's full-model reference runs first, then its requests, the policies in an order that
+rotates per request: load drift hits the reference and every policy alike; the requests are independent,
+so serving them grouped changes nothing but the timing's fairness) (the
 end-of-sequence token is switched off so every request decodes that many: TPOT needs them, the text is
 not scored). SLO targets are absolute: the fractions times the full model's TTFT and TPOT for that same
 prompt on this machine (full model, full prompt, no TLM; the median of --full-runs generate calls per
@@ -246,14 +249,6 @@ def main() -> None:
     print(f"[{time.perf_counter() - started:.0f} s] device profile, ShortGPT depths measured; "
           f"depth 1.0 labels agree with the grid's full cell on {agree:.3f} of items", flush=True)
 
-    # ---- the full model per prompt: the SLO targets
-    model.set_level(levels[-1])
-    full = {}
-    for i in row:
-        runs = [timed_generate(model, prompts[i], args.new_tokens, level=levels[-1]) for _ in range(args.full_runs)]
-        full[i] = (statistics.median(r["ttft_ms"] for r in runs), statistics.median(r["tpot_ms"] for r in runs))
-    print(f"[{time.perf_counter() - started:.0f} s] full model measured on {len(full)} prompts", flush=True)
-
     # ---- serve the α = 0 trace, every request once per policy
     n_tokens = {i: int(tokens[row[i]]) for i in row}
 
@@ -290,22 +285,36 @@ def main() -> None:
         "LLMLingua-2": (heads["ours (utility)"], baseline_decider(largest_level_most_kept, False, True), True),
         "ShortGPT": (None, None, False),
     }
-    base = traces[0.0]
-    served = {policy: [] for policy in SERVED}
-    for policy in SERVED:
+    profiles = {policy: LatencyProfile(device.weight_format, device.threads, device.levels,
+                                       tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"])) for policy in SERVED}
+
+    def use(policy: str) -> None:
         head, decide, compresses = setups[policy]
         model.tlm, model.decide = head, decide
         model.compress = model._compress if compresses else None
-        model.latency_profile = LatencyProfile(device.weight_format, device.threads, device.levels,
-                                               tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]))
-        for request in base:
-            slo_class = TRACE_CLASSES[request.slo_class]
-            target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
-            result = serve(policy, request.item, target)
-            result["violated"] = not target.met(result["ttft_ms"], result["tpot_ms"])
-            result["target"] = [target.ttft_ms, target.tpot_ms]
-            served[policy].append(result | {"item": request.item, "slo_class": request.slo_class})
-        print(f"[{time.perf_counter() - started:.0f} s] served {len(base)} requests: {policy}", flush=True)
+        model.latency_profile = profiles[policy]
+
+    # Served item by item: the full model's reference runs for an item, then every request asking it, each
+    # by every policy in an order that rotates per request, so load drift on this shared machine hits the
+    # reference and every policy alike (requests are independent, so the trace's own order changes nothing).
+    base = traces[0.0]
+    served = {policy: [None] * len(base) for policy in SERVED}
+    full = {}
+    for count, item in enumerate(row):
+        use("LLM-Pruner")  # no TLM
+        runs = [timed_generate(model, prompts[item], args.new_tokens, level=levels[-1]) for _ in range(args.full_runs)]
+        full[item] = (statistics.median(r["ttft_ms"] for r in runs), statistics.median(r["tpot_ms"] for r in runs))
+        for j in [j for j, request in enumerate(base) if request.item == item]:
+            slo_class = TRACE_CLASSES[base[j].slo_class]
+            target = SLO(slo_class[0] * full[item][0], slo_class[1] * full[item][1])
+            for policy in SERVED[j % len(SERVED):] + SERVED[: j % len(SERVED)]:
+                use(policy)
+                result = serve(policy, item, target)
+                result["violated"] = not target.met(result["ttft_ms"], result["tpot_ms"])
+                served[policy][j] = result | {"target": [target.ttft_ms, target.tpot_ms], "item": item,
+                                              "slo_class": base[j].slo_class}
+        if (count + 1) % 20 == 0:
+            print(f"[{time.perf_counter() - started:.0f} s] served the requests of {count + 1} items", flush=True)
     load_after = os.getloadavg()
 
     # ---- the α traces: per request, each policy's correctness and violation
