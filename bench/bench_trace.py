@@ -109,13 +109,14 @@ class LabelledGrid:
 
 
 def shortgpt_profiles(model: ElasticModel, keeps: list[float]) -> dict[str, CloneProfile]:
-    """Per kept fraction of layers: the full widths with the least block-influence layers at width 0."""
+    """Per kept fraction of layers, shallowest first (a depth's index orders it like a level's): the full
+    widths with the least block-influence layers at width 0."""
     full = model.manifest.elastic.level(model.available_levels()[-1])
     scores = model.manifest.elastic.importance["layer_scores"]
     layers = len(scores)
     ranked = sorted(range(layers), key=lambda i: scores[i])  # least influence first
     profiles = {}
-    for keep in keeps:
+    for keep in sorted(keeps):
         dropped = set(ranked[: layers - round(keep * layers)])
         profiles[f"{keep:.1f}"] = CloneProfile(
             [0 if i in dropped else a for i, a in enumerate(full.attn_units)],
@@ -130,8 +131,10 @@ def shortgpt_labels(package: Path, items, prompts: list[str], profiles: dict[str
     ratio 1 (as the label stage scores a cell); reused from `path` when it holds the same items and depths."""
     if path.is_file():
         saved = json.loads(path.read_text())
-        if (saved["items"], saved["prompts"], saved["depths"]) == ([it.id for it in items], prompts, list(profiles)):
-            return torch.tensor(saved["correct"], dtype=torch.bool)
+        if (saved["items"], saved.get("prompts"), sorted(saved["depths"])) == ([it.id for it in items], prompts,
+                                                                           sorted(profiles)):
+            columns = [saved["depths"].index(name) for name in profiles]
+            return torch.tensor(saved["correct"], dtype=torch.bool)[:, columns]
     worker = label.LabelWorker(package, None)
     correct = torch.zeros(len(items), len(profiles), dtype=torch.bool)
     for d, profile in enumerate(profiles.values()):
@@ -167,7 +170,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--new-tokens", type=int, default=6)
     parser.add_argument("--full-runs", type=int, default=3, help="generate calls of the full model per item")
-    parser.add_argument("--depths", default="1.0,0.9,0.8,0.7,0.6,0.5,0.4", help="ShortGPT: kept layer fractions")
+    parser.add_argument("--depths", default="0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="ShortGPT: kept layer fractions")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="4 held-out items per task, 48 requests")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
@@ -226,13 +229,13 @@ def main() -> None:
     model.eos_ids = set()  # every request decodes --new-tokens tokens
     for shape in model.manifest.elastic.levels:  # decisions (and their best-effort fallback) stay on the labelled grid
         shape.usable = shape.usable and shape.name in levels
-    device = measure_profile(model, levels=levels, repeats=3)
+    device = measure_profile(model, levels=levels, repeats=5)
     tlm_latency = {name: measure_tlm_latency(head, repeats=3) for name, head in heads.items()}
     depth_profiles = shortgpt_profiles(model, [float(x) for x in args.depths.split(",")])
     depth_latency = {}
     for name, profile in depth_profiles.items():
         model.set_widths(profile.attn_units, profile.mlp_units)
-        depth_latency[name] = measure_level(model, (32, 128), decode_tokens=16, repeats=3)
+        depth_latency[name] = measure_level(model, (32, 128), decode_tokens=16, repeats=5)
     depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency)
     model.profiles = lambda: depth_profiles  # served as CLONE profiles are
     items_by_id = {}
@@ -241,10 +244,11 @@ def main() -> None:
         items_by_id |= {it.id: it for t in tasks for it in label.load_items([t], start, stop)}
     assert all(items_by_id[i].prompt() in prompts[i] for i in row)  # the labelled prompt is this item's
     depth_correct = shortgpt_labels(package, [items_by_id[i] for i in row], [prompts[i] for i in row],
-                                    depth_profiles, out / "shortgpt-labels.json")
+                                    depth_profiles, out / f"shortgpt-labels{'-smoke' if args.smoke else ''}.json")
     depth_row = {item: d for d, item in enumerate(row)}
     full_cell = (ratios.index(1.0), levels.index(levels[-1]))
-    agree = statistics.fmean(float(depth_correct[depth_row[i], 0] == correct[row[i], full_cell[0], full_cell[1]])
+    deepest = list(depth_profiles).index("1.0")
+    agree = statistics.fmean(float(depth_correct[depth_row[i], deepest] == correct[row[i], full_cell[0], full_cell[1]])
                              for i in row)
     print(f"[{time.perf_counter() - started:.0f} s] device profile, ShortGPT depths measured; "
           f"depth 1.0 labels agree with the grid's full cell on {agree:.3f} of items", flush=True)
