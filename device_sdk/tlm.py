@@ -125,6 +125,15 @@ def slo_prefix(ttft_bins: Sequence[float], tpot_bins: Sequence[float], ttft_frac
     return f"[TTFT_{snap(ttft_fraction, ttft_bins):.1f}] [TPOT_{snap(tpot_fraction, tpot_bins):.1f}] "
 
 
+def head_and_tail(ids: list[int], head: int, max_length: int) -> list[int]:
+    """`ids` cut to `max_length` by dropping from the middle: the first `head` ids (the [CLS] and
+    SLO tokens) and the last ones. A few-shot block or a passage comes before the question, so
+    the end of a long prompt is what tells one request from another."""
+    if len(ids) <= max_length:
+        return list(ids)
+    return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
+
+
 def best_feasible_pair(ratio_log_probs: torch.Tensor, level_log_probs: torch.Tensor, ratios: Sequence[float],
                        levels: Sequence[str], is_feasible: Callable[[float, str], bool]) -> tuple[float, str, bool]:
     """(prompt ratio, level, feasible): the feasible pair with the highest joint log-probability.
@@ -170,8 +179,8 @@ class TLM:
         self.config = config
         self.max_length = config["max_length"]
         self.tokenizer = load_tokenizer(tokenizer_file)  # for words: chunked by encode_words
-        self.prompt_tokenizer = load_tokenizer(tokenizer_file)  # for decisions: truncated, specials kept
-        self.prompt_tokenizer.enable_truncation(self.max_length)
+        self.prompt_tokenizer = load_tokenizer(tokenizer_file)  # for decisions: specials kept, cut by head_and_tail
+        self.prompt_tokenizer.no_truncation()
         self.encoder = Encoder(tensors, config["backbone"])
         frozen = config["frozen_layers"]
         branch = config["backbone"]["num_hidden_layers"] - frozen
@@ -222,12 +231,16 @@ class TLM:
             return Compressed(text, list(range(len(word_spans(text)))), 1.0)
         return compress_by_scores(text, self.word_scores(text), rate, force_tokens)
 
+    def _decision_ids(self, prefix: str, prompt: str) -> list[int]:
+        head = 1 + len(self.prompt_tokenizer.encode(prefix, add_special_tokens=False).ids)
+        return head_and_tail(self.prompt_tokenizer.encode(prefix + prompt).ids, head, self.max_length)
+
     @torch.inference_mode()
     def decision_log_probs(self, prompt: str, ttft_fraction: float, tpot_fraction: float):
         """(log p(ratio) over `ratios`, log p(level) over `levels`) for a prompt under an SLO."""
         bins = self.config["ttft_bins"], self.config["tpot_bins"]
-        ids = self.prompt_tokenizer.encode(slo_prefix(*bins, ttft_fraction, tpot_fraction) + prompt).ids
-        pooled = self._branch(ids, self.decision_layers)[0]
+        pooled = self._branch(self._decision_ids(slo_prefix(*bins, ttft_fraction, tpot_fraction), prompt),
+                              self.decision_layers)[0]
         return self._head(pooled, "ratio_head").log_softmax(-1), self._head(pooled, "level_head").log_softmax(-1)
 
     def decide(self, prompt: str, ttft_fraction: float, tpot_fraction: float,
@@ -240,7 +253,7 @@ class TLM:
         """[ratios, levels]: the utility head's probability that each cell answers `prompt` right."""
         if self.decision_head != "utility":
             raise TLMError("this TLM's decision head is 'slo_token'; it predicts no utilities")
-        pooled = self._branch(self.prompt_tokenizer.encode(prompt).ids, self.decision_layers)[0]
+        pooled = self._branch(self._decision_ids("", prompt), self.decision_layers)[0]
         return self._head(pooled, "utility_head").sigmoid().view(len(self.ratios), len(self.levels))
 
 

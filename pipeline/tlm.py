@@ -49,6 +49,7 @@ from device_sdk.tlm import (
     best_feasible_pair,
     compress_by_scores,
     encode_words,
+    head_and_tail,
     slo_prefix,
     slo_token_names,
     word_spans,
@@ -393,8 +394,8 @@ def decision_examples(tlm: DualHeadTLM, tokenizer, rows: list[dict]):
     cfg = tlm.config
     examples = []
     for row in rows:
-        text = slo_prefix(cfg.ttft_bins, cfg.tpot_bins, row["ttft"], row["tpot"]) + row["prompt"]
-        ids = tokenizer(text, truncation=True, max_length=cfg.max_length)["input_ids"]
+        prefix = slo_prefix(cfg.ttft_bins, cfg.tpot_bins, row["ttft"], row["tpot"])
+        ids = _decision_ids(tlm, tokenizer, row["prompt"], prefix)
         ratio = _grid_index(cfg.ratio_grid, float(row["ratio"]))
         level = cfg.level_grid.index(Level(row["level"]).name)
         examples.append((ids, (ratio, level)))
@@ -440,8 +441,8 @@ def _decision_loss(tlm, ids, mask, labels):
 
 @torch.no_grad()
 def decision_log_probs(tlm: DualHeadTLM, tokenizer, prompt: str, ttft: float, tpot: float):
-    text = slo_prefix(tlm.config.ttft_bins, tlm.config.tpot_bins, ttft, tpot) + prompt
-    ids = torch.tensor([tokenizer(text, truncation=True, max_length=tlm.config.max_length)["input_ids"]])
+    prefix = slo_prefix(tlm.config.ttft_bins, tlm.config.tpot_bins, ttft, tpot)
+    ids = torch.tensor([_decision_ids(tlm, tokenizer, prompt, prefix)])
     ratio_logits, level_logits = tlm.decision_logits(ids, torch.ones_like(ids))
     return ratio_logits[0].log_softmax(-1), level_logits[0].log_softmax(-1)
 
@@ -471,8 +472,10 @@ def utility_targets(cells: list[dict], margin_temperature: float) -> torch.Tenso
     return torch.stack(targets)
 
 
-def _decision_ids(tlm: DualHeadTLM, tokenizer, text: str) -> list[int]:
-    return tokenizer(text, truncation=True, max_length=tlm.config.max_length)["input_ids"]
+def _decision_ids(tlm: DualHeadTLM, tokenizer, prompt: str, prefix: str = "") -> list[int]:
+    """The decision branch's input, cut as the SDK cuts it (device_sdk.tlm.head_and_tail)."""
+    head = 1 + len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+    return head_and_tail(tokenizer(prefix + prompt)["input_ids"], head, tlm.config.max_length)
 
 
 @torch.no_grad()

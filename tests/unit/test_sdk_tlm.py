@@ -53,6 +53,26 @@ def test_sdk_decision_matches_the_pipeline(tlm_pair):
                                                                         no_full_model)
 
 
+def test_long_prompts_keep_the_slo_tokens_and_their_end(tlm_pair):
+    """A few-shot block fills the decision window, so the cut drops the middle: two prompts that share
+    a long block but end in different questions must look different to the head (pipeline and SDK)."""
+    from device_sdk.tlm import head_and_tail
+    from pipeline.tlm import decision_log_probs
+
+    assert head_and_tail(list(range(10)), 3, 6) == [0, 1, 2, 7, 8, 9]
+    assert head_and_tail(list(range(5)), 3, 6) == [0, 1, 2, 3, 4]
+    model, tokenizer, sdk = tlm_pair
+    first, second = LONG_TEXT + " Is the sky blue?", LONG_TEXT + " Which metal rusts in water?"
+    for ttft, tpot in ((0.6, 0.8), (1.0, 1.0)):
+        ids = sdk._decision_ids("[TTFT_0.6] [TPOT_0.8] ", first)
+        assert len(ids) == sdk.max_length and tokenizer.decode(ids[1:3]) == "[TTFT_0.6] [TPOT_0.8]"
+        assert "blue" in tokenizer.decode(ids[-6:])
+        differ = [not torch.allclose(sdk.decision_log_probs(first, ttft, tpot)[1],
+                                     sdk.decision_log_probs(second, ttft, tpot)[1])]
+        reference = decision_log_probs(model, tokenizer, second, ttft, tpot)[1]
+        assert all(differ) and torch.allclose(sdk.decision_log_probs(second, ttft, tpot)[1], reference, atol=1e-5)
+
+
 def test_missing_tlm_files_are_a_clear_error(tmp_path):
     with pytest.raises(TLMError, match="missing"):
         TLM.load(tmp_path)
