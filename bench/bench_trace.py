@@ -361,13 +361,26 @@ def main() -> None:
               "tlm_latency": {k: vars(v) for k, v in tlm_latency.items()},
               "shortgpt_profile": {m: vars(v) for m, v in depth_latency.items()},
               "alphas": {str(a): r for a, r in results.items()},
-              "served_alpha_0": served}  # per policy, per request of the α = 0 trace, in trace order
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(report, indent=2) + "\n")
+              "served_alpha_0": served}  # per policy, per request of the α = 0 trace, in trace order (columns)
+    write_report(args.results, report)
     for alpha, result in results.items():
         show(alpha, result, len(row))
     plot(results[0.0], args.png, len(row), args.requests)
     print(f"raw JSON: {args.results}; figure: {args.png}; load average {load_before} → {load_after}")
+
+
+def write_report(path: Path, report: dict) -> None:
+    """The summary indented; the per-request rows one line per policy, as columns, times to 0.01 ms."""
+    def column(values):
+        return [round(v, 2) if isinstance(v, float) else [round(x, 2) for x in v] if isinstance(v, list)
+                and all(isinstance(x, float) for x in v) else v for v in values]
+
+    served = report["served_alpha_0"]
+    columns = {policy: {key: column([row[key] for row in rows]) for key in rows[0]} for policy, rows in served.items()}
+    summary = json.dumps({k: v for k, v in report.items() if k != "served_alpha_0"}, indent=2)
+    lines = ",\n".join(f"    {json.dumps(policy)}: {json.dumps(c, separators=(',', ':'))}" for policy, c in columns.items())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{summary[:-2]},\n  "served_alpha_0": {{\n{lines}\n  }}\n}}\n')
 
 
 def summarise(trace, per: dict) -> dict:
