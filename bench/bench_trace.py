@@ -83,6 +83,7 @@ from pipeline.trace import (
     feasible_mask,
     largest_level_full_prompt,
     largest_level_most_kept,
+    layer_drop_depths,
     make_trace,
     oracle,
     paired_difference_ci,
@@ -109,20 +110,12 @@ class LabelledGrid:
 
 
 def shortgpt_profiles(model: ElasticModel, keeps: list[float]) -> dict[str, CloneProfile]:
-    """Per kept fraction of layers, shallowest first (a depth's index orders it like a level's): the full
-    widths with the least block-influence layers at width 0."""
+    """`layer_drop_depths` of the full level by the package's block-influence scores, as CLONE profiles."""
     full = model.manifest.elastic.level(model.available_levels()[-1])
-    scores = model.manifest.elastic.importance["layer_scores"]
-    layers = len(scores)
-    ranked = sorted(range(layers), key=lambda i: scores[i])  # least influence first
-    profiles = {}
-    for keep in sorted(keeps):
-        dropped = set(ranked[: layers - round(keep * layers)])
-        profiles[f"{keep:.1f}"] = CloneProfile(
-            [0 if i in dropped else a for i, a in enumerate(full.attn_units)],
-            [0 if i in dropped else m for i, m in enumerate(full.mlp_units)],
-            ppl=math.nan, latency_ms=0.0, energy_j=0.0, origin="shortgpt")
-    return profiles
+    depths = layer_drop_depths(full.attn_units, full.mlp_units, model.manifest.elastic.importance["layer_scores"],
+                               keeps)
+    return {name: CloneProfile(attn, mlp, ppl=math.nan, latency_ms=0.0, energy_j=0.0, origin="shortgpt")
+            for name, (attn, mlp) in depths.items()}
 
 
 def shortgpt_labels(package: Path, items, prompts: list[str], profiles: dict[str, CloneProfile],

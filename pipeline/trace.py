@@ -136,6 +136,21 @@ def oracle(correct: torch.Tensor, mask: torch.Tensor) -> float:
     return float(correct[mask].float().max()) if mask.any() else float(correct[0, 0])
 
 
+def layer_drop_depths(attn_units: Sequence[int], mlp_units: Sequence[int], layer_scores: Sequence[float],
+                      keeps: Sequence[float]) -> dict[str, tuple[list[int], list[int]]]:
+    """ShortGPT: per kept fraction of layers, the widths with the layers of least block influence
+    (`layer_scores`) at width 0, the rest whole. Named by the fraction ("0.6") and ordered shallowest
+    first, so a depth's index orders it as a level's does (`largest_level_full_prompt` takes the deepest)."""
+    layers = len(layer_scores)
+    ranked = sorted(range(layers), key=lambda i: layer_scores[i])  # least influence first
+    depths = {}
+    for keep in sorted(keeps):
+        dropped = set(ranked[: layers - round(keep * layers)])
+        depths[f"{keep:.1f}"] = ([0 if i in dropped else a for i, a in enumerate(attn_units)],
+                                 [0 if i in dropped else m for i, m in enumerate(mlp_units)])
+    return depths
+
+
 # --------------------------------------------------------------------------- intervals
 
 

@@ -18,6 +18,7 @@ from pipeline.trace import (
     feasible_mask,
     largest_level_full_prompt,
     largest_level_most_kept,
+    layer_drop_depths,
     make_trace,
     oracle,
     paired_difference_ci,
@@ -211,6 +212,20 @@ def test_random_feasible_is_the_exact_expectation_and_the_oracle_bounds_every_po
         labels = utility > 0.5
         for r, m, _ in _choices(mask, torch.rand(len(RATIOS), len(LEVELS)), utility, ratio_lp, level_lp).values():
             assert float(labels[r, m]) <= oracle(labels, mask)
+
+
+def test_shortgpt_drops_the_least_influential_layers_and_its_deepest_feasible_depth_is_taken():
+    scores = [0.9, 0.1, 0.5, 0.05, 0.3, 0.7, 0.2, 0.8, 0.4, 0.6]  # layer 3 matters least, then 1, 6, 4, …
+    depths = layer_drop_depths([3] * 10, [8] * 10, scores, [1.0, 0.5, 0.8])
+    assert list(depths) == ["0.5", "0.8", "1.0"]  # shallowest first, whatever order they were asked in
+    assert depths["1.0"] == ([3] * 10, [8] * 10)
+    attn, mlp = depths["0.8"]
+    assert [i for i, a in enumerate(attn) if a == 0] == [1, 3] and attn == [3 if m else 0 for m in mlp]
+    assert sorted(i for i, a in enumerate(depths["0.5"][0]) if a == 0) == [1, 3, 4, 6, 8]
+    everything = torch.ones(1, len(depths), dtype=torch.bool)
+    assert list(depths)[largest_level_full_prompt(everything)[1]] == "1.0"
+    assert list(depths)[largest_level_full_prompt(torch.tensor([[True, True, False]]))[1]] == "0.8"
+    assert list(depths)[largest_level_full_prompt(torch.zeros(1, 3, dtype=torch.bool))[1]] == "0.5"  # best effort
 
 
 # --------------------------------------------------------------------------- intervals
