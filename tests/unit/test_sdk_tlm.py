@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from device_sdk.format import Level
-from device_sdk.latency import SLO, LatencyProfile, LevelLatency
+from device_sdk.latency import SLO, LatencyProfile, LevelLatency, TLMLatency
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM, TLMError
 
@@ -110,13 +110,23 @@ def test_generate_follows_the_tlm_decision_and_compresses_the_prompt(tmp_path):
     model.latency_profile = _profile(levels)
     prompt = "one two three four five six seven eight nine ten eleven twelve?"
     full = model.generate(prompt, max_new_tokens=2)
-    loose = model.generate(prompt, slo=SLO.fraction(ttft=1.0, tpot=1.0), max_new_tokens=2)
+    loose = model.generate(prompt, slo=SLO.fraction(ttft=1.0, tpot=0.9), max_new_tokens=2)
     assert (loose.level, loose.decision.prompt_ratio, loose.decision.feasible) == ("0.5", 0.5, True)
     assert loose.prompt_tokens < full.prompt_tokens  # the TLM's ratio compressed the prompt
 
     # The favourite level is too slow for this SLO: the TLM's best feasible pair is chosen instead.
     tight = model.generate(prompt, slo=SLO.fraction(ttft=1.0, tpot=0.3), max_new_tokens=2)
     assert Level(tight.level) <= Level(0.3) and tight.decision.feasible
+
+    # The full model meets (1, 1) by itself: it is served as is, and the TLM (whose time would break the
+    # SLO) is not asked at all.
+    model.latency_profile.tlm = TLMLatency(5.0, 0.01, 5.0, 0.01)
+    asked = []
+    model.tlm.utility = model.tlm.decision_log_probs = lambda *a, **k: asked.append(a)
+    exact = model.generate(prompt, slo=SLO.fraction(ttft=1.0, tpot=1.0), max_new_tokens=2)
+    assert (exact.level, exact.decision.prompt_ratio, exact.decision.feasible, asked) == (levels[-1], 1.0, True, [])
+    del model.tlm.utility, model.tlm.decision_log_probs
+    model.latency_profile.tlm = None
 
     # Nothing meets it: best effort at the smallest level, reported as not met.
     hopeless = model.generate(prompt, slo=SLO(ttft_ms=1e-6, tpot_ms=1e-6), max_new_tokens=2)
