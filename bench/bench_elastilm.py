@@ -52,8 +52,10 @@ from pipeline.stage import StageContext, quiet_context
 
 
 def build_package(out: Path, levels: list[float], ctx: StageContext, calibration: list[str] | None = None,
-                  name: str = "package") -> Path:
-    """SmolLM2 profiled (block influence, 8 x 128 tokens of `calibration`, default the build's) and elastified."""
+                  name: str = "package", profile_settings: dict | None = None,
+                  elastify_settings: dict | None = None) -> Path:
+    """SmolLM2 profiled (block influence, 8 x 128 tokens of `calibration`, default the build's; other
+    ProfileSettings as given) and elastified (the build's ElastifySettings but for those given)."""
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import load_model
@@ -62,9 +64,10 @@ def build_package(out: Path, levels: list[float], ctx: StageContext, calibration
     loaded = load_model(prepare_smollm2())
     importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
                          ProfileSettings(windows=8, window_length=128, layer_method="block_influence",
-                                         **({"calibration": calibration} if calibration else {})), ctx)
+                                         **({"calibration": calibration} if calibration else {}),
+                                         **(profile_settings or {})), ctx)
     path = out / name
-    elastify(loaded.model, loaded.tokenizer, loaded.architecture, importance, ElastifySettings(levels=levels), path,
+    elastify(loaded.model, loaded.tokenizer, loaded.architecture, importance, ElastifySettings(levels=levels, **(elastify_settings or {})), path,
              name="smollm2-bench", source=loaded.source, overwrite=True)
     return path
 

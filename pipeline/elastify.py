@@ -93,13 +93,18 @@ def active_params(arch: Architecture, attn_units: list[int], mlp_units: list[int
 def layer_widths(arch: Architecture, keep: float, settings: ElastifySettings) -> tuple[int, int]:
     """(KV groups, neurons) holding `keep` of one layer's elastic parameters.
 
-    Attention moves in whole KV groups (SmolLM2 has only 3), so it is rounded first and the
-    MLP, which moves in `align`-neuron steps, takes up the rest of the layer's budget.
+    Attention moves in whole KV groups (SmolLM2 has only 3), so it is rounded first (up by
+    default) and the MLP, which moves in `align`-neuron steps, takes up the rest of the layer's
+    budget. Up, because removing a group costs the loss more than its parameters' worth of
+    neurons (bench/bench_recovery.py compares the two at equal size).
     """
     if keep >= 1.0:
         return arch.kv_heads, arch.intermediate
     per_group, per_neuron = unit_params(arch)
-    groups = kept_units(arch.kv_heads, keep, settings.min_units)
+    if settings.attn_rounding == "up":
+        groups = min(arch.kv_heads, max(math.ceil(keep * arch.kv_heads - 1e-9), settings.min_units))
+    else:
+        groups = kept_units(arch.kv_heads, keep, settings.min_units)
     budget = keep * (arch.kv_heads * per_group + arch.intermediate * per_neuron) - groups * per_group
     neuron_ratio = max(0.0, budget) / (per_neuron * arch.intermediate)
     return groups, kept_units(arch.intermediate, min(neuron_ratio, 1.0), settings.min_units, settings.align)

@@ -6,7 +6,9 @@ Each weight's gradient is folded into unit scores by a hook the moment it is acc
 then freed, and decoder layers are checkpointed, so memory stays close to inference.
 
 Layer importance is the loss increase when a layer is skipped (leave-one-out), or ShortGPT's
-block influence `1 − cos(h_in, h_out)` as the cheap option.
+block influence `1 − cos(h_in, h_out)` as the cheap option. KV groups can be ranked the same
+leave-one-out way (`attn_method="loo"`): with only a few groups per layer, the first-order
+estimate often keeps the wrong one.
 """
 
 from __future__ import annotations
@@ -161,6 +163,48 @@ def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: Sta
     return (increase / tokens).float()
 
 
+@torch.no_grad()
+def group_importance_loo(model, arch: Architecture, windows: torch.Tensor, batch_size: int,
+                         ctx: StageContext) -> list[torch.Tensor]:
+    """Per layer, the mean NLL increase per token when each KV group alone is removed.
+
+    Removing a group zeroes its query heads' slice of o_proj's input, which is exactly what
+    pruning the group does. As in `layer_importance_loo`, only the changed layer and the ones
+    after it are re-run from recorded inputs.
+    """
+    layers = list(model.model.layers)
+    group_cols = arch.n_rep * arch.head_dim
+    increase = [torch.zeros(arch.kv_heads, dtype=torch.float64) for _ in layers]
+    batches = range(0, windows.shape[0], batch_size)
+    done, total, tokens = 0, len(batches) * len(layers) * arch.kv_heads, 0
+    for start in batches:
+        batch = windows[start : start + batch_size]
+        inputs = _record_layer_inputs(model, batch)
+        final = inputs.pop()
+        base, count = nll_from_hidden(model.lm_head, model.model.norm(final[0]), batch)
+        for index, layer in enumerate(layers):
+            for group in range(arch.kv_heads):
+
+                def drop_group(module, args, group=group):
+                    kept = args[0].clone()
+                    kept[..., group * group_cols : (group + 1) * group_cols] = 0
+                    return (kept, *args[1:])
+
+                handle = layer.self_attn.o_proj.register_forward_pre_hook(drop_group)
+                try:
+                    hidden = _hidden(layer(inputs[index][0], **inputs[index][1]))
+                finally:
+                    handle.remove()
+                for later in range(index + 1, len(layers)):
+                    hidden = _hidden(layers[later](hidden, **inputs[later][1]))
+                loss, _ = nll_from_hidden(model.lm_head, model.model.norm(hidden), batch)
+                increase[index][group] += (loss - base).double()
+                done += 1
+                ctx.report("attention importance (leave one group out)", done, total)
+        tokens += count
+    return [(scores / tokens).float() for scores in increase]
+
+
 def _record_layer_inputs(model, batch: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
     """Run the model once; return each decoder layer's (input hidden, kwargs), then (final output, {})."""
     records: list[tuple[torch.Tensor, dict]] = []
@@ -225,6 +269,8 @@ def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx
     attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
     ctx.report("unit importance (taylor)", 1, 1)
     layer_windows = windows[: settings.layer_windows]
+    if settings.attn_method == "loo":
+        attn = group_importance_loo(model, arch, layer_windows, settings.batch_size, ctx)
     if settings.layer_method == "loo":
         layers = layer_importance_loo(model, layer_windows, settings.batch_size, ctx)
     else:

@@ -35,6 +35,7 @@ MAX_FILES = 64
 
 Taylor = Literal["param_first", "vectorize"]
 LayerMethod = Literal["loo", "block_influence"]
+AttnMethod = Literal["taylor", "loo"]
 Order = Literal["taylor", "random"]  # "random" is the ablation baseline
 DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -88,6 +89,9 @@ class ProfileSettings(StageSettings):
     layer_windows: PositiveInt = 8  # leave-one-out costs ~L/2 forwards per window, so it gets fewer
     taylor: Taylor = "param_first"
     layer_method: LayerMethod = "loo"
+    # KV groups are few and coarse (SmolLM2 has 3), so first-order Taylor ranks them poorly;
+    # "loo" ranks them by the loss increase when each is removed alone (pipeline.profile).
+    attn_method: AttnMethod = "loo"
     batch_size: PositiveInt = 4
 
 
@@ -96,6 +100,7 @@ class ElastifySettings(StageSettings):
     anchor_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     align: PositiveInt = 32  # MLP neurons are kept in multiples of this
     min_units: PositiveInt = 1
+    attn_rounding: Literal["up", "nearest"] = "up"  # KV groups kept at a width (pipeline.elastify.layer_widths)
     order: Order = "taylor"
     seed: int = 0
     dtype: DType = "float32"

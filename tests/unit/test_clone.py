@@ -130,9 +130,13 @@ def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_
     assert candidates and len({tuple(r["bins"]) for r in candidates}) == len(candidates)
     assert not collected & {tuple(r["bins"]) for r in candidates}  # new vectors only
     assert all(math.isfinite(r["ppl"]) and len(r["bins"]) == 4 for r in candidates)
-    for result in found["search"].values():  # the second round trained on the first round's measurements
-        first, second = result["training"]
-        assert second["examples"] > first["examples"] and result["candidates"] == first["candidates"] + second["candidates"]
+    # A budget stops early once the controller decodes nothing new (the known set is shared across
+    # budgets); where a second round ran, it trained on the first round's measurements.
+    assert any(len(result["training"]) == 2 for result in found["search"].values())
+    for result in found["search"].values():
+        for first, second in zip(result["training"], result["training"][1:], strict=False):
+            assert second["examples"] > first["examples"]
+        assert result["candidates"] == sum(t["candidates"] for t in result["training"])
     profiles = found["clone"]["profiles"]
     assert set(profiles) == {"fast", "frugal"}
     assert profiles["frugal"]["budget"]["latency_ms"] is None  # energy only: latency unbounded

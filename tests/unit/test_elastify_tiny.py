@@ -121,7 +121,8 @@ def test_vectorize_and_block_influence_options(profiled, calib_text):
     model = tiny_model(kind)
     arch = describe_architecture(model.config)
     settings = ProfileSettings(
-        calibration=[str(calib_text)], windows=2, window_length=32, taylor="vectorize", layer_method="block_influence"
+        calibration=[str(calib_text)], windows=2, window_length=32, taylor="vectorize", layer_method="block_influence",
+        attn_method="taylor",
     )
     result = profile(model, byte_tokenizer(), arch, settings, quiet_context())
     assert len(result.layers) == arch.layers and bool((result.layers > 0).all())
@@ -203,8 +204,12 @@ def test_levels_hit_their_parameter_budget_with_or_without_anchors():
                         intermediate=1536, vocab=49152, norm_eps=1e-5, rope={"rope_theta": 1e5})
     per_group, per_neuron = unit_params(arch)
     layer_params = 3 * per_group + 1536 * per_neuron
-    for anchors in ([], [0, 1, 2, 11, 28, 29]):
-        levels = level_table(arch, anchors, ElastifySettings())
+    for anchors, rounding in (([], "up"), ([0, 1, 2, 11, 28, 29], "up"), ([0, 1, 2, 11, 28, 29], "nearest")):
+        levels = level_table(arch, anchors, ElastifySettings(attn_rounding=rounding))
+        half = next(level for level in levels if level.name == "0.5")
+        groups = {layer: half.attn_units[layer] for layer in range(30) if layer not in anchors}
+        # the non-anchor layers keep (15 - A) / (30 - A) of a layer: 1.125 groups' worth with anchors
+        assert set(groups.values()) == ({2} if rounding == "up" else {1}) if anchors else {2}, (anchors, rounding)
         for level in levels[2:]:  # from 0.4 up; below that min_units floors dominate
             elastic = sum(a * per_group + m * per_neuron for a, m in zip(level.attn_units, level.mlp_units, strict=True))
             assert abs(elastic / (30 * layer_params) - level.ratio) < 0.02, (anchors, level.name)
@@ -226,3 +231,43 @@ def test_level_switch_is_one_write_and_per_layer_widths_still_work(profiled):
     assert elastic.level is None and all(lin.units in (1, 8) for lin in linears)
     elastic.set_level("1.0")
     assert all(lin.units == lin.max_units for lin in linears)
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "qwen2_bias"])
+def test_group_loo_equals_removing_the_group_in_a_full_forward(kind, calib_text):
+    """Each KV group's score is the loss increase of the whole model with that group's o_proj
+    columns zeroed (which is what pruning it does), though only later layers are re-run."""
+    from pipeline.calibration import make_windows
+    from pipeline.lm import nll_sum
+    from pipeline.profile import group_importance_loo
+
+    model = tiny_model(kind)
+    arch = describe_architecture(model.config)
+    windows = make_windows(byte_tokenizer(), [str(calib_text)], 4, 32, seed=0)
+    scores = group_importance_loo(model, arch, windows, 2, quiet_context())
+    assert [s.shape for s in scores] == [(arch.kv_heads,)] * arch.layers
+    with torch.no_grad():
+        base_loss, count = nll_sum(model, windows)
+        cols = arch.n_rep * arch.head_dim
+        for layer_index in (0, arch.layers - 1):
+            o_proj = model.model.layers[layer_index].self_attn.o_proj.weight
+            for group in range(arch.kv_heads):
+                saved = o_proj.clone()
+                o_proj[:, group * cols : (group + 1) * cols] = 0
+                loss, _ = nll_sum(model, windows)
+                o_proj.copy_(saved)
+                expected = (loss - base_loss).item() / count
+                assert scores[layer_index][group].item() == pytest.approx(expected, abs=1e-5, rel=1e-3)
+
+
+def test_profile_ranks_groups_by_loo_when_asked(calib_text):
+    kind = "llama_gqa"
+    model = tiny_model(kind)
+    arch = describe_architecture(model.config)
+    common = dict(calibration=[str(calib_text)], windows=4, window_length=32, layer_windows=2,
+                  layer_method="block_influence")
+    taylor = profile(model, byte_tokenizer(), arch, ProfileSettings(**common, attn_method="taylor"), quiet_context())
+    loo = profile(model, byte_tokenizer(), arch, ProfileSettings(**common, attn_method="loo"), quiet_context())
+    torch.testing.assert_close(torch.stack(loo.mlp), torch.stack(taylor.mlp))  # neurons keep Taylor
+    assert not torch.allclose(torch.stack(loo.attn), torch.stack(taylor.attn))
+    assert loo.meta["settings"]["attn_method"] == "loo"
