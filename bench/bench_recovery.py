@@ -91,27 +91,40 @@ class EvalSets:
 # --------------------------------------------------------------------------- package and corpus
 
 
-def prepare_package(out: Path, reuse: bool, calibration: str | None = None) -> Path:
-    """The bench's package, importance profiled on the build's default calibration text or on `calibration`."""
+# Importance as the build made it before issue 13: KV groups ranked by Taylor, their count rounded to nearest.
+PREVIOUS_BUILD = {"profile": {"attn_method": "taylor"}, "elastify": {"attn_rounding": "nearest"}}
+
+
+def prepare_package(out: Path, reuse: bool, calibration: str | None = None, previous: bool = False) -> Path:
+    """The bench's package: importance profiled as the build does by default, or on `calibration`
+    text, or as the build did before issue 13 (`previous`)."""
     from bench_elastilm import build_package
 
-    name = f"package-calibrated-{calibration}" if calibration else "package"
+    name = "package" + (f"-calibrated-{calibration}" if calibration else "") + ("-previous" if previous else "")
     if reuse and (out / name / "manifest.json").is_file():
         return out / name
     return build_package(out, [0.5, 0.7, 1.0], StageContext(work_dir=out),
-                         calibration=[calibration] if calibration else None, name=name)
+                         calibration=[calibration] if calibration else None, name=name,
+                         profile_settings=PREVIOUS_BUILD["profile"] if previous else None,
+                         elastify_settings=PREVIOUS_BUILD["elastify"] if previous else None)
 
 
-def compare_calibration(args, sets: EvalSets) -> dict:
-    """Issue 13 item 3: the levels without recovery when importance is profiled on `args.compare_calibration`
-    instead of the default, at equal calibration tokens, on the same windows; paired against the default."""
-    reference = json.loads((args.out / "runs" / "reference.json").read_text())["quality"]
-    package = prepare_package(args.out, args.reuse, args.compare_calibration)
-    levels = args.levels.split(",")
-    quality = sdk_quality(package, levels, sets, args.gen_tokens, set())
+def compare_importance(args, sets: EvalSets, calibration: str | None = None, previous: bool = False) -> dict:
+    """Issue 13 item 3: the levels without recovery when importance is profiled on other text
+    (`calibration`) or as the build did before (`previous`), at equal calibration tokens, on the
+    same windows; paired against the build's default."""
     from pipeline.settings import DEFAULT_CALIBRATION
 
-    return {"default": list(DEFAULT_CALIBRATION), "other": args.compare_calibration, "windows": "8 x 128 tokens each",
+    reference = json.loads((args.out / "runs" / "reference.json").read_text())["quality"]
+    package = prepare_package(args.out, args.reuse, calibration, previous)
+    levels = args.levels.split(",")
+    quality = sdk_quality(package, levels, sets, args.gen_tokens, set())
+    if previous:
+        changed, default, other = "importance", "KV groups by leave-one-out, count rounded up", \
+            "KV groups by Taylor, count rounded to nearest (the build before issue 13)"
+    else:
+        changed, default, other = "calibration", ", ".join(DEFAULT_CALIBRATION), calibration
+    return {"changed": changed, "default": default, "other": other, "windows": "8 x 128 tokens each",
             "levels": {lv: {"other": quality_row(quality[lv], reference["1.0"]),
                             "other_vs_default": {n: paired_ratio(quality[lv][f"{n}_nlls"], reference[lv][f"{n}_nlls"])
                                                  for n in ("lambada", "heldout")}}
@@ -437,6 +450,9 @@ def plot(results: dict, path: Path) -> None:
             ax.axhline(goal, ls="--", color="black", lw=1, label=f"goal {goal}x")
         none = next(r for r in results["rows"] if r["level"] == level and r["method"] == "none")
         ax.axhline(none["lambada_ratio"], ls=":", color="tab:gray", lw=1, label="no recovery")
+        if results.get("previous"):
+            before = results["previous"]["levels"][level]["other"]["lambada_ratio"]
+            ax.axhline(before, ls=":", color="tab:orange", lw=1, label="no recovery, importance before issue 13")
         ax.set(title=f"level {level}: tokens to quality", xlabel="training tokens per level (thousands)",
                ylabel="LAMBADA perplexity / full model's")
         ax.set_ylim(bottom=1.0)
@@ -492,9 +508,11 @@ def report(results: dict) -> None:
                 ["pair @ level", "LAMBADA", "held-out"],
                 [[key, *(with_interval(v[n]["ratio"], [v[n]["low"], v[n]["high"]]) for n in ("lambada", "heldout"))]
                  for key, v in results["versus"].items()])
-    if results.get("calibration"):
-        cal = results["calibration"]
-        print_table(f"importance profiled on {cal['other']} instead of {', '.join(cal['default'])} ({cal['windows']}), "
+    for key in ("calibration", "previous"):
+        if not results.get(key):
+            continue
+        cal = results[key]
+        print_table(f"{cal['changed']}: {cal['other']} instead of {cal['default']} ({cal['windows']}), "
                     "no recovery", ["level", "LAMBADA / full", "held-out / full", "LAMBADA / default's",
                                     "held-out / default's"],
                     [[lv, with_interval(r["other"]["lambada_ratio"], r["other"]["lambada_interval"]),
@@ -527,6 +545,8 @@ def main() -> None:
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--compare-calibration", default="passages",
                         help="also profile importance on this corpus (none: skip) and compare the unrecovered levels")
+    parser.add_argument("--no-compare-previous", dest="compare_previous", action="store_false",
+                        help="skip the unrecovered levels of the build's importance before issue 13")
     parser.add_argument("--smoke", action="store_true", help="a few prompts and windows: checks the path, not quality")
     parser.add_argument("--reuse", action="store_true", help="reuse the package and finished runs under --out")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results/")
@@ -543,8 +563,7 @@ def main() -> None:
         args.lambada_windows, args.heldout_windows, args.validation_windows, args.gen_tokens = 4, 2, 2, 8
         args.prompts, args.max_new_tokens, args.eval_len = 12, 16, 32
         EVERYDAY_PROMPTS[:] = EVERYDAY_PROMPTS[:3]
-    if args.compare_calibration == "none":
-        args.compare_calibration = None
+    args.compare_calibration = None if args.compare_calibration == "none" else args.compare_calibration
     if args.generate_shard is not None:
         return generate_one_shard(args)
     if args.worker:
@@ -577,8 +596,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     sets = EvalSets(AutoTokenizer.from_pretrained(str(package / "model")), corpus_dir, args)
-    calibration = compare_calibration(args, sets) if args.compare_calibration else None
-    results = assemble(args, corpus_dir, sets.sizes(), time.perf_counter() - started) | {"calibration": calibration}
+    comparisons = {"calibration": compare_importance(args, sets, calibration=args.compare_calibration)
+                   if args.compare_calibration else None,
+                   "previous": compare_importance(args, sets, previous=True) if args.compare_previous else None}
+    results = assemble(args, corpus_dir, sets.sizes(), time.perf_counter() - started) | comparisons
     (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "recovery.png")
     if not args.no_results and not args.smoke:
