@@ -39,6 +39,17 @@ def cached(path: Path, make):
     return path if path.exists() else make()
 
 
+def latency_and_score(package: Path, out: Path) -> tuple[Path, Path]:
+    """The chain's latency and tlm-score stages at the bench's settings, cached under `out`."""
+    lat = cached(out / "latency" / "latency.json", lambda: latency.run(
+        {"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=1),
+        StageContext(work_dir=out / "latency"))["latency"])
+    score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
+        {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
+        StageContext(work_dir=out / "tlm-score"))["tlm"])
+    return lat, score
+
+
 def sweep(package: Path, score: Path, out: Path, tasks: list[str], start: int, per_task: int, ratios, levels,
           shots: int = 0):
     """Label shards per task (items [start, start + per_task)), reused from `out` when there; zero-shot
@@ -115,12 +126,7 @@ def main() -> None:
     out, package = args.out, args.package
     tasks, ratios = args.tasks.split(","), [float(x) for x in args.ratios.split(",")]
     levels = args.levels.split(",")
-    lat = cached(out / "latency" / "latency.json", lambda: latency.run(
-        {"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=1),
-        StageContext(work_dir=out / "latency"))["latency"])
-    score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
-        {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
-        StageContext(work_dir=out / "tlm-score"))["tlm"])
+    lat, score = latency_and_score(package, out)
     train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels)
     test_shards = sweep(package, score, out / "label", tasks, 300, args.test_items, ratios, levels)
     labels = derive(package, lat, train_shards, out / "derive")

@@ -61,7 +61,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decision_head import cached, derive, sweep, train
+from bench_decision_head import derive, latency_and_score, sweep, train
 from common import ROOT, print_table
 
 from device_sdk.format import CloneProfile
@@ -75,8 +75,7 @@ from device_sdk.latency import (
 )
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
-from pipeline import label, latency, tlm
-from pipeline.stage import StageContext
+from pipeline import label
 from pipeline.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
@@ -185,12 +184,7 @@ def main() -> None:
         args.results, args.png = out / "trace-smoke.json", out / "trace-smoke.png"  # not the committed results
 
     # ---- the chain's stages (cached under --out), held-out labels, the TLMs
-    lat = cached(out / "latency" / "latency.json", lambda: latency.run(
-        {"package": package}, latency.LatencySettings(prompt_lengths=[32, 128], repeats=1),
-        StageContext(work_dir=out / "latency"))["latency"])
-    score = cached(out / "tlm-score" / "tlm", lambda: tlm.run_score(
-        {"package": package}, tlm.ScoreSettings(passages=32, passage_words=60, steps=60),
-        StageContext(work_dir=out / "tlm-score"))["tlm"])
+    lat, score = latency_and_score(package, out)
     train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels, args.shots)
     test_pairs = []
     for span in args.test_ranges.split(","):
