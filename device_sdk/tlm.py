@@ -278,7 +278,8 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     levels this copy holds and the package marks usable, and pairs the profile predicts to meet the
     SLO (the TLM's own time in TTFT, where the profile measured it), are eligible. A utility head
     takes the eligible cell most likely to answer right, ties to the one predicted cheapest. Where
-    the largest usable level meets the SLO on the whole prompt, it is served without asking the TLM.
+    only the TLM's own time keeps the largest usable level on the whole prompt from meeting the SLO,
+    that level is served without asking the TLM.
     """
 
     def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
@@ -287,14 +288,17 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
         ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
         tpot_fraction = 1.0 if target.tpot_ms is None else target.tpot_ms / profile.tpot_ms(full)
         held = {level.name for level in usable_levels(levels)}  # what the decision and its fallback may pick
-        largest = max(held, key=Level)
-        # The largest level on the whole prompt is as good an answer as this copy gives; when it meets
-        # the SLO by itself, asking the TLM would only add its own time (and at (1, 1) break the SLO).
-        if target.met(profile.ttft_ms(largest, prompt_tokens), profile.tpot_ms(largest)):
-            return Decision(largest, 1.0, True)
 
         def is_feasible(r: float, m: str) -> bool:
             return m in held and feasible(profile, m, r, prompt_tokens, target)
+
+        largest = max(held, key=Level)
+        # When the largest level on the whole prompt meets the SLO by itself but not once the TLM's own
+        # time is added (at (1, 1) it never does), asking the TLM could only push the request to a worse
+        # cell: serve that level without it.
+        if not is_feasible(1.0, largest) and target.met(profile.ttft_ms(largest, prompt_tokens),
+                                                        profile.tpot_ms(largest)):
+            return Decision(largest, 1.0, True)
 
         if getattr(tlm, "decision_head", "slo_token") == "utility":  # the SLO masks; the head ranks what remains
             ratio, level, met = best_utility_cell(

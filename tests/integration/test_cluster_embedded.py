@@ -26,7 +26,9 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
         "calibration": [str(calib_text)],
         "levels": [0.5, 1.0],
         "stages": {
-            "profile": {"settings": {"windows": 2, "window_length": 32}},
+            # On a random model, removing a KV group can lower the loss, so leave-one-out ranking can make
+            # level 0.5 "better" than 1.0 and trip the publish gate; these tests are about the service.
+            "profile": {"settings": {"windows": 2, "window_length": 32, "attn_method": "taylor"}},
             "elastify": {"settings": {"align": 8}},
             "evaluate": {"settings": {"corpora": [str(calib_text)], "windows": 2, "window_length": 32, "tasks": [],
                                       "measure_latency": False}},
@@ -98,7 +100,9 @@ def test_recovery_chains_top_down_on_the_generated_corpus_through_the_scheduler(
         "calibration": [str(calib_text)],
         "levels": [0.5, 0.75, 1.0],
         "stages": {
-            "profile": {"settings": {"windows": 2, "window_length": 32}},
+            # On a random model, removing a KV group can lower the loss, so leave-one-out ranking can make
+            # level 0.5 "better" than 1.0 and trip the publish gate; these tests are about the service.
+            "profile": {"settings": {"windows": 2, "window_length": 32, "attn_method": "taylor"}},
             "elastify": {"settings": {"align": 8}},
             "corpus-generate": {"settings": corpus},
             "recover": {"settings": {"steps": 2, "batch_size": 2, "seq_len": 24, "eval_windows": 2, "rank": 2,
