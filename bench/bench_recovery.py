@@ -21,7 +21,8 @@ slice (every 20th recovery text, kept out of training) is recorded along the cur
 The corpus is generated once by the full model and cached by content hash under
 ~/.cache/elastify/bench/. Two methods train side by side, one thread each.
 
-  .venv/bin/python bench/bench_recovery.py --second-seed 1       # the committed run (~45 min, 2 cores)
+  .venv/bin/python bench/bench_recovery.py --steps 48 --lambada-windows 48 --compare-calibration none
+                                                                 # the committed run (~40 min, 2 cores)
   .venv/bin/python bench/bench_recovery.py --steps 2 --smoke     # end-to-end check, minutes
 """
 
