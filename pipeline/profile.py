@@ -152,10 +152,7 @@ def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: Sta
         final = inputs.pop()  # the last layer's output, i.e. the base model's final hidden state
         base, count = nll_from_hidden(model.lm_head, model.model.norm(final[0]), batch)
         for skipped in range(len(layers)):
-            hidden = inputs[skipped][0]
-            for later in range(skipped + 1, len(layers)):
-                hidden = layers[later](hidden, **inputs[later][1])
-            loss, _ = nll_from_hidden(model.lm_head, model.model.norm(hidden), batch)
+            loss = _loss_after(model, inputs, skipped, inputs[skipped][0], batch)
             increase[skipped] += (loss - base).double()
             ctx.report("layer importance (leave one out)", batch_index * len(layers) + skipped + 1,
                        len(batches) * len(layers))
@@ -195,14 +192,23 @@ def group_importance_loo(model, arch: Architecture, windows: torch.Tensor, batch
                     hidden = _hidden(layer(inputs[index][0], **inputs[index][1]))
                 finally:
                     handle.remove()
-                for later in range(index + 1, len(layers)):
-                    hidden = _hidden(layers[later](hidden, **inputs[later][1]))
-                loss, _ = nll_from_hidden(model.lm_head, model.model.norm(hidden), batch)
+                loss = _loss_after(model, inputs, index, hidden, batch)
                 increase[index][group] += (loss - base).double()
                 done += 1
                 ctx.report("attention importance (leave one group out)", done, total)
         tokens += count
     return [(scores / tokens).float() for scores in increase]
+
+
+def _loss_after(model, inputs: list[tuple[torch.Tensor, dict]], layer: int, hidden: torch.Tensor,
+                batch: torch.Tensor) -> torch.Tensor:
+    """Summed NLL of `batch` when `hidden` stands for layer `layer`'s output: the later layers re-run
+    from it with their recorded kwargs."""
+    layers = model.model.layers
+    for later in range(layer + 1, len(layers)):
+        hidden = _hidden(layers[later](hidden, **inputs[later][1]))
+    loss, _ = nll_from_hidden(model.lm_head, model.model.norm(hidden), batch)
+    return loss
 
 
 def _record_layer_inputs(model, batch: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
