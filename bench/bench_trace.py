@@ -37,7 +37,9 @@ a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio
 Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`). The accuracy of a request
 is the label of the cell it was served at: the multiple-choice scoring of that item at that cell (option
 log-likelihood, the `label` stage; ShortGPT's depths are scored here the same way). The served prompt is
-compressed by the SDK's TLM as the device does; the label's compression is the label stage's.
+compressed by the SDK's TLM as the device does, all but its question (the labelled prompt's `kept` end,
+passed as `keep`; the label stage compresses the few-shot block and the passage as two texts, the SDK
+as one); the label's compression is the label stage's.
 
 α = ±0.25 reuse the α = 0 served results: every (item, class) pair of those traces occurs in the α = 0
 trace (asserted), decisions are deterministic per pair, and the j-th request of a pair takes the pair's
@@ -207,6 +209,7 @@ def main() -> None:
         row = {i: row[i] for ids in keep.values() for i in ids}
     assert not held_in & set(row), "held-out items overlap the TLM's training items"
     prompts = {item["id"]: item["prompt"] for item in meta["items"]}
+    kept = {item["id"]: item.get("kept", "") for item in meta["items"]}  # the question: served whole
     pools = [[i for i in row if meta["items"][row[i]]["task"] == tasks[k % len(tasks)]]
              for k in range(len(TRACE_CLASSES))]
     traces = {alpha: make_trace(args.requests, pools, alpha, args.seed) for alpha in alphas}
@@ -259,7 +262,7 @@ def main() -> None:
             served.pop("decision")
             return served | {"cell": name, "feasible": met, "correct": bool(depth_correct[depth_row[item], d]),
                              "predicted_ms": [depth_device.ttft_ms(name, n_tokens[item]), depth_device.tpot_ms(name)]}
-        served = timed_generate(model, prompts[item], args.new_tokens, slo=slo)
+        served = timed_generate(model, prompts[item], args.new_tokens, slo=slo, keep=kept[item])
         decision = served.pop("decision")
         r, m = ratios.index(decision.prompt_ratio), levels.index(decision.level)
         paid = policy_profile(model.latency_profile, policy.startswith("ours"), model.compress is not None)

@@ -134,8 +134,11 @@ def cmd_generate(args) -> int:
 
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
+    if not args.prompt.endswith(args.keep):
+        print("error: --keep must be the end of the prompt", file=sys.stderr)
+        return 2
     stream = model.generate(args.prompt, slo=_slo(args), max_new_tokens=args.max_new_tokens, stream=True,
-                            level=args.level)
+                            level=args.level, keep=args.keep)
     for piece in stream:
         print(piece, end="", flush=True)
     result = stream.result
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("prompt")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--level", help="force a level instead of choosing by SLO")
+    generate.add_argument("--keep", default="", metavar="TEXT",
+                          help="the end of the prompt that compression keeps whole (e.g. the question after a passage)")
     for option in ("--ttft-ms", "--tpot-ms", "--ttft-fraction", "--tpot-fraction"):
         generate.add_argument(option, type=float)
     serve = commands["serve"]

@@ -185,6 +185,14 @@ class ElasticModel:
     def _compress(self, prompt: str, ratio: float) -> str:
         return self.tlm.compress(prompt, ratio, FORCE_TOKENS).text
 
+    def _compressed(self, prompt: str, ratio: float, keep: str) -> str:
+        """`prompt` with all but its `keep` end compressed; the whitespace before `keep` stays as it was."""
+        head = prompt[:len(prompt) - len(keep)]
+        body = head.rstrip()
+        if not body:
+            return prompt
+        return self.compress(body, ratio) + head[len(body):] + keep
+
     # -- loading -------------------------------------------------------------------------
 
     @classmethod
@@ -334,17 +342,20 @@ class ElasticModel:
 
     def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
                  level: str | float | None = None, profile: str | None = None, experts: str | None = None,
-                 sampling: Sampling | None = None, stop: Sequence[str] = ()):
+                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = ""):
         """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
-        Greedy unless `sampling` says otherwise. Generation ends at the end-of-sequence token, at
+        Greedy unless `sampling` says otherwise. `keep`, an end of `prompt` (the question after a
+        few-shot block or a passage), is never compressed: the TLM compresses only what comes before it. Generation ends at the end-of-sequence token, at
         `max_new_tokens`, or at the first of the `stop` strings, which is left out of the text
         (finish_reason "stop"); streamed text holds back what could be the start of a stop string.
         With `stream=True` returns a GenerationStream of text pieces; else a Generation.
         """
         if any(not s for s in stop):
             raise ValueError("a stop string must not be empty")
-        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop))
+        if not prompt.endswith(keep):
+            raise ValueError("`keep` must be the end of the prompt")
+        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop), keep)
         if stream:
             return GenerationStream(steps)
         try:
@@ -355,7 +366,8 @@ class ElasticModel:
 
     @torch.inference_mode()
     def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
-                  experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = ()) -> Iterator[str]:
+                  experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = (),
+                  keep: str = "") -> Iterator[str]:
         latency = self.latency_profile if slo is not None else None  # read or measured once, not per request
         # TTFT runs from here: tokenising, the TLM's decision and compression, prefill.
         started = time.perf_counter()
@@ -375,7 +387,7 @@ class ElasticModel:
             decision = Decision(levels[-1].name)
         prompt_tokens = len(ids)  # a relative SLO is relative to the full model on the prompt as given
         if decision.prompt_ratio < 1.0 and self.compress is not None:
-            ids = self.tokenizer.encode(self.compress(prompt, decision.prompt_ratio)).ids
+            ids = self.tokenizer.encode(self._compressed(prompt, decision.prompt_ratio, keep)).ids
         if decision.level != self.level:
             self.set_level(decision.level)  # KV cache is per request, so switching here is safe
         self._clone_setup(prompt, slo, len(ids), profile, experts)

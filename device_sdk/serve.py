@@ -2,7 +2,8 @@
 
     POST /v1/completions       {"prompt": "...", "max_tokens": 32, "stream": false, "stop": ["\\n"],
                                 "temperature": 0.7, "top_p": 0.9, "seed": 1,
-                                "slo": {"ttft_ms": 200, "tpot_ms": 40}}   # or {"ttft": 0.5, "tpot": 0.8}
+                                "slo": {"ttft_ms": 200, "tpot_ms": 40},   # or {"ttft": 0.5, "tpot": 0.8}
+                                "keep": "..."}   # the prompt's end that compression keeps whole
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...the same fields}
     GET  /v1/models, GET /health
 
@@ -58,7 +59,7 @@ _ONLY_DEFAULT = {
 }
 _COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user", "slo"}
 _ACCEPTED = {
-    "completion": _COMMON | {"prompt"},
+    "completion": _COMMON | {"prompt", "keep"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -110,7 +111,8 @@ class CompletionService:
             try:
                 request = job.request
                 stream = self.model.generate(request["prompt"], slo=request["slo"], max_new_tokens=request["max_tokens"],
-                                             stream=True, sampling=request["sampling"], stop=request["stop"])
+                                             stream=True, sampling=request["sampling"], stop=request["stop"],
+                                             keep=request["keep"])
                 for piece in stream:
                     job.events.put(piece)
                 job.events.put(stream.result)
@@ -157,6 +159,10 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string (one prompt per request)", param="prompt")
         max_tokens = _max_tokens(data, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    keep = data.get("keep", "")
+    if not isinstance(keep, str) or not prompt.endswith(keep):
+        raise RequestError("keep must be a string that ends the prompt (the part compression keeps whole)",
+                           param="keep")
     stream = data.get("stream") or False
     if not isinstance(stream, bool):
         raise RequestError("stream must be true or false", param="stream")
@@ -169,7 +175,7 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         raise RequestError(str(err), param="slo") from None
     return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
             "include_usage": bool(options.get("include_usage")), "slo": slo,
-            "sampling": parse_sampling(data), "stop": parse_stop(data.get("stop"))}
+            "sampling": parse_sampling(data), "stop": parse_stop(data.get("stop")), "keep": keep}
 
 
 def parse_messages(messages) -> list[dict]:

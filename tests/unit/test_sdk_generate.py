@@ -102,6 +102,15 @@ def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
     assert "saved" in capsys.readouterr().out
 
 
+def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    common = ["generate", str(package), "--public-key", key, "--max-new-tokens", "2", "--level", "0.5"]
+    assert device_cli([*common, "a passage. Question: why?", "--keep", "Question: why?"]) == 0
+    assert "[level 0.5" in capsys.readouterr().err
+    assert device_cli([*common, "a passage", "--keep", "why?"]) == 2
+    assert "--keep must be the end of the prompt" in capsys.readouterr().err
+
+
 def test_sdk_slo_request_field_is_validated():
     assert parse_slo({"ttft_ms": 100}) == SLO(100, None)
     assert parse_slo({"ttft": 0.5, "tpot": 0.8}) == SLO.fraction(0.5, 0.8)

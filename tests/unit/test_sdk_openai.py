@@ -162,6 +162,19 @@ def test_openai_bad_chats_are_400(client):
     assert bad_stop.value.param == "stop"
 
 
+def test_keep_must_end_the_prompt_and_is_for_completions_only(client):
+    """`keep` (the prompt's end that compression leaves whole) is an extension of /v1/completions."""
+    served = client.completions.create(model="t", prompt="a passage. Question: why?", max_tokens=2,
+                                       extra_body={"keep": " Question: why?"})
+    assert served.choices[0].text
+    with pytest.raises(openai.BadRequestError) as not_the_end:
+        client.completions.create(model="t", prompt="a passage", max_tokens=2, extra_body={"keep": "why?"})
+    assert not_the_end.value.param == "keep"
+    with pytest.raises(openai.BadRequestError) as on_chat:
+        client.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}], extra_body={"keep": "a"})
+    assert on_chat.value.code == "unsupported_parameter" and on_chat.value.param == "keep"
+
+
 def test_a_package_without_a_chat_template_refuses_chat(tmp_path):
     _, path = tiny_package("llama_mha", tmp_path / "pkg", KEY)
     with serving(ElasticModel.load(path, allow_unsigned=True)) as free_port:

@@ -131,3 +131,27 @@ def test_generate_follows_the_tlm_decision_and_compresses_the_prompt(tmp_path):
     # Nothing meets it: best effort at the smallest level, reported as not met.
     hopeless = model.generate(prompt, slo=SLO(ttft_ms=1e-6, tpot_ms=1e-6), max_new_tokens=2)
     assert hopeless.level == levels[0] and not hopeless.decision.feasible and not hopeless.slo_met
+
+
+
+def test_keep_is_served_whole_and_only_the_rest_compresses(tmp_path):
+    """A few-shot block or passage compresses; the question after it (`keep`) reaches the model as written."""
+    package, levels = _package_with_tlm(tmp_path, favourite_level="0.5", favourite_ratio=0.5)
+    model = ElasticModel.load(package, allow_unsigned=True)
+    model.latency_profile = _profile(levels)
+    context = "one two three four five six seven eight nine ten eleven twelve"
+    question = "\n\nQuestion: which number comes after twelve?\nAnswer:"
+    compressed_texts = []
+    compress = model.compress
+    model.compress = lambda text, ratio: compressed_texts.append(text) or compress(text, ratio)
+    slo = SLO.fraction(ttft=1.0, tpot=1.0)
+    kept = model.generate(context + question, slo=slo, max_new_tokens=2, keep=question)
+    whole = model.generate(context + question, slo=slo, max_new_tokens=2)
+    assert compressed_texts == [context, context + question]
+    assert kept.decision.prompt_ratio == 0.5
+    assert kept.prompt_tokens == len(model.tokenizer.encode(compress(context, 0.5) + question).ids)
+    assert kept.prompt_tokens > whole.prompt_tokens
+    assert model.generate(question, slo=slo, max_new_tokens=2, keep=question).prompt_tokens == len(
+        model.tokenizer.encode(question).ids)  # nothing before it: nothing to compress
+    with pytest.raises(ValueError, match="end of the prompt"):
+        model.generate(context, slo=slo, max_new_tokens=2, keep="not its end")
