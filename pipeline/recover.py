@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -325,12 +326,40 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
     return total / max(targets.numel(), 1)
 
 
+@torch.no_grad()
+def student_rollout(hf: nn.Module, input_ids: torch.Tensor, prefix_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, labels): each row's first `prefix_tokens` tokens continued greedily by `hf` itself (the level
+    with its LoRA, dropout off) to the batch's length, the prefix left out of the labels.
+
+    Distilled on these, the level is corrected on the text it would write, loops included: the states
+    greedy decoding reaches and corpus text does not (on-policy distillation, as in GKD)."""
+    if not 0 < prefix_tokens < input_ids.shape[1]:
+        raise RecoverError(f"rollout_prefix must be between 1 and the sequence length - 1 ({input_ids.shape[1] - 1})")
+    was_training = hf.training
+    hf.eval()
+    prefix = input_ids[:, :prefix_tokens]
+    new_tokens = input_ids.shape[1] - prefix_tokens
+    try:
+        ids = hf.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False,
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                          pad_token_id=0)  # rows never pad: min_new_tokens keeps every row to the end
+    finally:
+        hf.train(was_training)
+    labels = ids.clone()
+    labels[:, :prefix_tokens] = IGNORE
+    return ids, labels
+
+
 def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_model) -> Callable:
-    """The training loss of (input ids, labels): the LM loss, or distillation from the full model."""
+    """The training loss of (input ids, labels): the LM loss, or distillation from the full model, on the
+    batch or (a seeded `on_policy` share of steps) on the level's own continuation of it."""
     if settings.loss == "lm":
         return lambda ids, labels: lm_loss(views.hf, ids, labels)
+    rollouts = random.Random(settings.seed)  # which steps roll out: the same on a rerun
 
     def distill(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if settings.on_policy and rollouts.random() < settings.on_policy:
+            ids, labels = student_rollout(views.hf, ids, settings.rollout_prefix)
         teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
         return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight)
 

@@ -135,6 +135,11 @@ class RecoverSettings(StageSettings):
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
     top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
     lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
+    # On-policy distillation: the share of distillation steps whose text the level writes itself
+    # (each window's first `rollout_prefix` tokens continued greedily to the window's length), the
+    # KL taken on what it wrote. Corpus text never shows the student its own loops.
+    on_policy: float = Field(default=0.0, ge=0.0, le=1.0)
+    rollout_prefix: PositiveInt = 32
     # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
     # levels then recover one after another, largest first (pipeline.chain._recover_shards).
     warm_start: bool = True
@@ -146,9 +151,13 @@ class RecoverSettings(StageSettings):
         default_factory=lambda: {"generated": 0.5, "passages": 0.3, "ptb": 0.2})
 
     @model_validator(mode="after")
-    def _mix_has_weight(self) -> RecoverSettings:
+    def _consistent(self) -> RecoverSettings:
         if not any(self.mix.values()):
             raise ValueError("mix: at least one kind of recovery text needs a share above 0")
+        if self.on_policy and self.loss != "distill":
+            raise ValueError("on_policy: the level's own text is scored by the teacher, so it needs loss 'distill'")
+        if self.on_policy and self.rollout_prefix >= self.seq_len:
+            raise ValueError(f"rollout_prefix ({self.rollout_prefix}) must be below seq_len ({self.seq_len})")
         return self
 
 

@@ -19,6 +19,7 @@ from pipeline.recover import (
     lm_loss,
     make_loss,
     run,
+    student_rollout,
     teacher_mode,
     teacher_targets,
     train_torch,
@@ -87,6 +88,31 @@ def test_distillation_moves_only_the_lora(package):
         assert view.weight.data_ptr() == source.storage.data_ptr()
         assert torch.equal(source.storage, storages[source.storage.data_ptr()])
     assert any(torch.count_nonzero(p) for n, p in peft_model.named_parameters() if "lora_B" in n)
+
+
+def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_only_the_lora(package):
+    views, peft_model, settings = _student(package, "0.5", on_policy=1.0, rollout_prefix=8)
+    ids = _batches(1, seed=3)[0][0]
+    rolled, labels = student_rollout(views.hf, ids, 8)
+    assert rolled.shape == ids.shape and torch.equal(rolled[:, :8], ids[:, :8])
+    assert (labels[:, :8] == -100).all() and torch.equal(labels[:, 8:], rolled[:, 8:])
+    with torch.no_grad():  # each token is the level's own argmax after the tokens before it
+        logits = views.hf(input_ids=rolled).logits
+    assert torch.equal(logits[:, 7:-1].argmax(-1), rolled[:, 8:])
+    assert torch.equal(student_rollout(views.hf, ids, 8)[0], rolled)  # greedy: deterministic
+
+    base = {p.data_ptr(): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    seen = []
+    loss = make_loss(settings, views, "1.0", peft_model)
+    train_torch(peft_model, views.hf, _batches(2), settings, quiet_context(),
+                lambda i, lab: seen.append(lab) or loss(i, lab))
+    for name, param in peft_model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base[param.data_ptr()]) and param.grad is None
+    assert any(torch.count_nonzero(p) for n, p in peft_model.named_parameters() if "lora_B" in n)
+    assert views.hf.training is False  # train_torch leaves eval mode; the rollout restored training in between
+    with pytest.raises(RecoverError, match="rollout_prefix"):
+        student_rollout(views.hf, ids, ids.shape[1])
 
 
 def test_the_teacher_pass_copies_no_weights_and_is_the_bare_full_model(package):
@@ -227,7 +253,9 @@ def test_text_windows_match_the_named_corpus_windows(corpus):
                        make_windows(tokenizer, [str(corpus)], 8, 32, seed=3))
 
 
-@pytest.mark.parametrize("bad", [{"loss": "mse"}, {"temperature": 0.0}, {"top_k": -1}, {"lm_weight": -0.1}])
+@pytest.mark.parametrize("bad", [{"loss": "mse"}, {"temperature": 0.0}, {"top_k": -1}, {"lm_weight": -0.1},
+                                 {"on_policy": 1.5}, {"on_policy": 0.5, "loss": "lm"},
+                                 {"rollout_prefix": 64, "on_policy": 0.5, "seq_len": 64}])
 def test_distillation_settings_are_checked(bad):
     with pytest.raises(ValidationError, match=next(iter(bad))):
         RecoverSettings(level="0.5", **bad)
