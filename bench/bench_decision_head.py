@@ -92,8 +92,13 @@ def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, l
         return latency.feasible(profile, m, r, tokens, target)
 
     if head == "slo_token":
+        # The head scores its own grid (every ratio and level it was built for); only the labelled
+        # cells can be looked up, so the choice is the best labelled feasible pair, else the lightest.
         ratio_lp, level_lp = tlm.decision_log_probs(model, tokenizer, prompt, *slo)
-        r, m, _ = best_feasible_pair(ratio_lp, level_lp, ratios, levels, ok)
+        r, m, met = best_feasible_pair(ratio_lp, level_lp, model.config.ratio_grid, model.config.level_grid,
+                                       lambda r, m: r in ratios and m in levels and ok(r, m))
+        if not met:
+            r, m = min(ratios), min(levels, key=float)
     else:
         r, m, _ = best_utility_cell(tlm.utility(model, tokenizer, prompt), ratios, levels, ok,
                                     lambda r, m: latency.cost_rank(profile, m, r, tokens))
