@@ -6,7 +6,8 @@
   (d) distill-warm  (c), each level's LoRA starting from the next larger level's (c)/(d) LoRA;
                     the largest recovered level has none above it, so its (d) is its (c)
   (e) distill-onpolicy  (c), with a share (--on-policy) of steps on the level's own greedy
-                    continuation of the window's first --rollout-prefix tokens (RecoverSettings.on_policy)
+                    continuation of the window's first --rollout-prefix tokens (RecoverSettings.on_policy),
+                    with --unlikelihood weight on the tokens of the 4-grams it repeats there
 
 Every method trains each level on `steps × batch × seq_len` tokens with the same settings
 otherwise; the training loop is the recover stage's own (pipeline.recover: LevelViews, add_lora,
@@ -57,7 +58,7 @@ METHODS = {
     "lm-corpus": "(b) LM loss, recovery corpus",
     "distill": "(c) distillation, recovery corpus",
     "distill-warm": "(d) (c) + warm start",
-    "distill-onpolicy": "(e) (c) + on-policy steps",
+    "distill-onpolicy": "(e) (c) + on-policy steps with unlikelihood",
 }
 # Two processes side by side, about equal work: LM steps cost ~3/4 of a distillation step.
 WORKERS = {"lm": ["lm-ptb", "lm-corpus"], "distill": ["distill", "distill-warm"], "onpolicy": ["distill-onpolicy"]}
@@ -210,7 +211,8 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
                            warm_start=method == "distill-warm", seed=args.seed,
                            on_policy=args.on_policy if method == "distill-onpolicy" else 0.0,
-                           rollout_prefix=args.rollout_prefix)
+                           rollout_prefix=args.rollout_prefix,
+                           unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0)
 
 
 def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, init_adapter: Path | None,
@@ -543,6 +545,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--on-policy", type=float, default=0.5, help="(e)'s share of steps on the level's own text")
     parser.add_argument("--rollout-prefix", type=int, default=32, help="(e): window tokens the level continues")
+    parser.add_argument("--unlikelihood", type=float, default=1.0, help="(e): weight on its repeated 4-grams")
     parser.add_argument("--second-seed", type=int, help="also train (c) at the lowest level with this seed")
     parser.add_argument("--prompts", type=int, default=48, help="corpus prompts the full model answers")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="per corpus answer")
@@ -586,7 +589,7 @@ def main() -> None:
     print(f"package {package}, corpus {corpus_dir}", flush=True)
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "on_policy", "rollout_prefix", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "on_policy", "rollout_prefix", "unlikelihood", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],

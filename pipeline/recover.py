@@ -305,13 +305,18 @@ def teacher_targets(views: LevelViews, full: str, peft_model, input_ids: torch.T
 
 
 def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, teacher: TeacherTargets,
-                 temperature: float, lm_weight: float = 0.0) -> torch.Tensor:
-    """Mean over labelled positions of T²·KL(teacher || student) at temperature T, plus lm_weight·NLL."""
+                 temperature: float, lm_weight: float = 0.0, repeated: torch.Tensor | None = None,
+                 unlikelihood: float = 0.0) -> torch.Tensor:
+    """Mean over labelled positions of T²·KL(teacher || student) at temperature T, plus lm_weight·NLL,
+    plus unlikelihood·−log(1 − p(token)) at the `repeated` positions ([batch, length] bool, see
+    `repeated_ngram_positions`; the student's own probability at temperature 1)."""
     from pipeline.lm import LOGIT_CHUNK
 
     hidden, targets = labelled_hidden(hf, input_ids, labels)
     if hidden.shape[0] != teacher.logprobs.shape[0]:
         raise RecoverError("the teacher's targets belong to another batch")
+    if repeated is not None:  # aligned with `targets`: the positions labelled_hidden keeps
+        repeated = repeated[:, 1:].reshape(-1)[labels[:, 1:].reshape(-1) != IGNORE]
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), LOGIT_CHUNK):
         part = slice(start, start + LOGIT_CHUNK)
@@ -323,7 +328,25 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
         total = total + kl * temperature**2
         if lm_weight:
             total = total + lm_weight * F.cross_entropy(logits, targets[part], reduction="sum")
+        if unlikelihood and repeated is not None and repeated[part].any():
+            hit = repeated[part]
+            chosen = F.softmax(logits[hit], dim=-1).gather(-1, targets[part][hit, None]).squeeze(-1)
+            total = total - unlikelihood * torch.log1p(-chosen.clamp(max=1 - 1e-6)).sum()
     return total / max(targets.numel(), 1)
+
+
+def repeated_ngram_positions(ids: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
+    """[batch, length] bool: the tokens from `start` on that belong to an n-gram already written earlier
+    in the same row from `start` (what `pipeline.evaluate.repeated_4gram_rate` counts): the tokens of a loop."""
+    repeated = torch.zeros_like(ids, dtype=torch.bool)
+    for row, tokens in enumerate(ids[:, start:].tolist()):
+        seen = set()
+        for i in range(len(tokens) - n + 1):
+            gram = tuple(tokens[i : i + n])
+            if gram in seen:
+                repeated[row, start + i : start + i + n] = True
+            seen.add(gram)
+    return repeated
 
 
 @torch.no_grad()
@@ -358,10 +381,13 @@ def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_mode
     rollouts = random.Random(settings.seed)  # which steps roll out: the same on a rerun
 
     def distill(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        repeated = None
         if settings.on_policy and rollouts.random() < settings.on_policy:
             ids, labels = student_rollout(views.hf, ids, settings.rollout_prefix)
+            repeated = repeated_ngram_positions(ids, settings.rollout_prefix) if settings.unlikelihood else None
         teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
-        return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight)
+        return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight,
+                            repeated, settings.unlikelihood)
 
     return distill
 

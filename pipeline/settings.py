@@ -140,6 +140,10 @@ class RecoverSettings(StageSettings):
     # KL taken on what it wrote. Corpus text never shows the student its own loops.
     on_policy: float = Field(default=0.0, ge=0.0, le=1.0)
     rollout_prefix: PositiveInt = 32
+    # Weight of the sequence-level unlikelihood loss on those steps (Welleck et al. 2019): every token
+    # of a 4-gram the level repeats in its own text is pushed down. Greedy loops are what make small
+    # levels unusable, and on-policy KL alone left them as they were (bench_recovery, method (e)).
+    unlikelihood: float = Field(default=0.0, ge=0.0)
     # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
     # levels then recover one after another, largest first (pipeline.chain._recover_shards).
     warm_start: bool = True
@@ -156,6 +160,8 @@ class RecoverSettings(StageSettings):
             raise ValueError("mix: at least one kind of recovery text needs a share above 0")
         if self.on_policy and self.loss != "distill":
             raise ValueError("on_policy: the level's own text is scored by the teacher, so it needs loss 'distill'")
+        if self.unlikelihood and not self.on_policy:
+            raise ValueError("unlikelihood applies to the level's own text: set on_policy above 0")
         if self.on_policy and self.rollout_prefix >= self.seq_len:
             raise ValueError(f"rollout_prefix ({self.rollout_prefix}) must be below seq_len ({self.seq_len})")
         return self

@@ -18,6 +18,7 @@ from pipeline.recover import (
     distill_loss,
     lm_loss,
     make_loss,
+    repeated_ngram_positions,
     run,
     student_rollout,
     teacher_mode,
@@ -113,6 +114,29 @@ def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_o
     assert views.hf.training is False  # train_torch leaves eval mode; the rollout restored training in between
     with pytest.raises(RecoverError, match="rollout_prefix"):
         student_rollout(views.hf, ids, ids.shape[1])
+
+
+def test_repeated_ngram_positions_mark_every_token_of_a_repeat_after_the_prefix():
+    ids = torch.tensor([[9, 9, 9, 9, 1, 2, 3, 4, 1, 2, 3, 4, 5],
+                        [9, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 0]])
+    marked = repeated_ngram_positions(ids, start=4)
+    assert marked[0].tolist() == [False] * 8 + [True] * 4 + [False]  # the second 1 2 3 4
+    assert not marked[1].any()
+    assert not repeated_ngram_positions(ids, start=0)[1].any()  # the prefix's 9 9 9 9 occurs once
+
+
+def test_unlikelihood_adds_minus_log_one_minus_p_at_the_repeated_tokens(package):
+    views, peft_model, _ = _student(package, "0.5")
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]])
+    repeated = repeated_ngram_positions(ids, start=0)
+    teacher = teacher_targets(views, "1.0", peft_model, ids, ids, 1.0, 0)
+    with torch.no_grad():
+        plain = distill_loss(views.hf, ids, ids, teacher, 1.0)
+        with_ul = distill_loss(views.hf, ids, ids, teacher, 1.0, repeated=repeated, unlikelihood=0.5)
+        probs = views.hf(input_ids=ids).logits[0, :-1].float().softmax(-1)
+    chosen = probs.gather(-1, ids[0, 1:, None]).squeeze(-1)[repeated[0, 1:]]
+    expected = plain - 0.5 * torch.log1p(-chosen).sum() / (ids.shape[1] - 1)
+    assert repeated.sum() == 8 and torch.allclose(with_ul, expected, atol=1e-5) and with_ul > plain
 
 
 def test_the_teacher_pass_copies_no_weights_and_is_the_bare_full_model(package):
@@ -255,7 +279,8 @@ def test_text_windows_match_the_named_corpus_windows(corpus):
 
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"temperature": 0.0}, {"top_k": -1}, {"lm_weight": -0.1},
                                  {"on_policy": 1.5}, {"on_policy": 0.5, "loss": "lm"},
-                                 {"rollout_prefix": 64, "on_policy": 0.5, "seq_len": 64}])
+                                 {"rollout_prefix": 64, "on_policy": 0.5, "seq_len": 64},
+                                 {"unlikelihood": 1.0}, {"unlikelihood": -1.0, "on_policy": 0.5}])
 def test_distillation_settings_are_checked(bad):
     with pytest.raises(ValidationError, match=next(iter(bad))):
         RecoverSettings(level="0.5", **bad)
