@@ -268,25 +268,51 @@ def embedded_demo() -> None:
     console.print(f"build {build_id} took {time.perf_counter() - started:.1f} s ({summary['cache_hits']} stages from cache)")
     local = store.local_path(prefix)
     if local is not None:  # an S3 store: `elastify-device pull` it first
-        console.print(_level_table(level_continuations(Path(local), settings.public_key_b64())))
+        from device_sdk.runtime import ElasticModel
+
+        model = ElasticModel.load(Path(local), public_key=settings.public_key_b64())
+        console.print(_level_table(level_continuations(model)))
+        console.print(_slo_table(slo_servings(model)))
 
 
 DEMO_PROMPT = "The capital of France is"
 DEMO_LEVELS = ("1.0", "0.7", "0.5")
+# Two requests as an app would send them: a bare question, and a passage whose question `keep` spares
+# from compression; each under a loose and a tight SLO (fractions of the full model's TTFT, TPOT).
+DEMO_QUESTION = "Question: Which gas do plants take in from the air?\nAnswer:"
+DEMO_PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is "
+                "named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 "
+                "to 1889 as the centrepiece of the 1889 World's Fair.")
+DEMO_REQUESTS = ((DEMO_QUESTION, ""), (f"{DEMO_PASSAGE}\nQuestion: Who is the tower named after?\nAnswer:",
+                                       "Question: Who is the tower named after?\nAnswer:"))
+DEMO_SLOS = ((1.0, 1.0), (0.6, 0.8))
 
 
-def level_continuations(package_dir: Path, public_key: str, prompt: str = DEMO_PROMPT,
-                        levels: tuple[str, ...] = DEMO_LEVELS, max_new_tokens: int = 12) -> list[tuple[str, str, str]]:
+def level_continuations(model, prompt: str = DEMO_PROMPT, levels: tuple[str, ...] = DEMO_LEVELS,
+                        max_new_tokens: int = 12) -> list[tuple[str, str, str]]:
     """(level, active fraction, greedy continuation of `prompt`) on the published package, served by the
     device SDK as a device would, so a newcomer sees what each level says before choosing one."""
-    from device_sdk.runtime import ElasticModel
-
-    model = ElasticModel.load(package_dir, public_key=public_key)
     rows = []
     for level in levels:
         shape = model.manifest.elastic.level(level)
         text = model.generate(prompt, max_new_tokens=max_new_tokens, level=shape.name).text
         rows.append((shape.name, f"{shape.active_fraction:.2f}", text))
+    return rows
+
+
+def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: int = 12) -> list[dict]:
+    """Each (prompt, kept end) served under each SLO as the device SDK decides it: the chosen prompt ratio
+    and level, the measured TTFT and TPOT against their targets, and the text."""
+    from device_sdk.latency import SLO
+
+    rows = []
+    for prompt, keep in requests:
+        for ttft, tpot in slos:
+            slo = SLO.fraction(ttft=ttft, tpot=tpot)
+            served = model.generate(prompt, slo=slo, max_new_tokens=max_new_tokens, keep=keep)
+            rows.append({"prompt": prompt, "slo": (ttft, tpot), "ratio": served.decision.prompt_ratio,
+                         "level": served.level, "ttft_ms": served.ttft_ms, "tpot_ms": served.tpot_ms,
+                         "slo_met": served.slo_met, "text": served.text})
     return rows
 
 
@@ -296,6 +322,18 @@ def _level_table(rows: list[tuple[str, str, str]]) -> Table:
         table.add_column(column, justify="left" if column == "continuation" else "right")
     for level, fraction, text in rows:
         table.add_row(level, fraction, Text(repr(text)))  # as text: a "[…]" the model writes is no markup
+    return table
+
+
+def _slo_table(rows: list[dict]) -> Table:
+    table = Table(title="served under an SLO (TTFT, TPOT as fractions of the full model's): the SDK's choice")
+    for column in ("prompt", "SLO", "ratio, level", "TTFT ms", "TPOT ms", "met", "text"):
+        table.add_column(column, justify="left" if column in ("prompt", "text") else "right")
+    for row in rows:
+        prompt = row["prompt"] if len(row["prompt"]) <= 40 else f"…{row['prompt'][-38:]}"
+        tpot = "-" if row["tpot_ms"] is None else f"{row['tpot_ms']:.1f}"
+        table.add_row(Text(repr(prompt)), f"{row['slo'][0]}, {row['slo'][1]}", f"{row['ratio']}, {row['level']}",
+                      f"{row['ttft_ms']:.0f}", tpot, "yes" if row["slo_met"] else "no", Text(repr(row["text"])))
     return table
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from api.app import default_registry
-from api.commands.cluster import demo_spec, level_continuations
+from api.commands.cluster import demo_spec, level_continuations, slo_servings
 from cluster.dag import UpstreamInput, plan
 from cluster.spec import parse_spec
 from device_sdk.format import public_key_b64
+from device_sdk.latency import LatencyProfile, LevelLatency
+from device_sdk.runtime import ElasticModel
 from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
 
 
@@ -25,8 +27,23 @@ def test_demo_spec_plans_a_small_corpus_and_recovery_top_down(tmp_path):
 def test_the_demo_shows_a_greedy_continuation_per_level_from_the_signed_package(tmp_path):
     key = signing_key()
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", key)
-    rows = level_continuations(package, public_key_b64(public_bytes(key)), prompt="The capital of France is",
-                               levels=("1.0", "0.5"), max_new_tokens=4)
+    model = ElasticModel.load(package, public_key=public_key_b64(public_bytes(key)))
+    rows = level_continuations(model, prompt="The capital of France is", levels=("1.0", "0.5"), max_new_tokens=4)
     assert [(level, fraction) for level, fraction, _ in rows][0] == ("1.0", "1.00")
     assert rows[1][0] == "0.5" and 0.0 < float(rows[1][1]) < 1.0
     assert all(isinstance(text, str) for _, _, text in rows)
+
+
+def test_the_demo_serves_two_prompts_under_two_slos_and_reports_what_it_chose(tmp_path):
+    key = signing_key()
+    _, package = tiny_package("llama_gqa", tmp_path / "pkg", key)
+    model = ElasticModel.load(package, public_key=public_key_b64(public_bytes(key)))
+    levels = model.available_levels()
+    # latency proportional to the level's width: a TPOT of 0.6 of the full model's allows only the half
+    model.latency_profile = LatencyProfile("fp32", 1, {m: LevelLatency(1.0, 0.01 * float(m), 10.0 * float(m))
+                                                      for m in levels})
+    requests = (("Question: why?\nAnswer:", ""), ("a passage.\nQuestion: why?\nAnswer:", "Question: why?\nAnswer:"))
+    rows = slo_servings(model, requests, slos=((1.0, 1.0), (1.0, 0.6)), max_new_tokens=3)
+    assert [(row["prompt"], row["slo"]) for row in rows] == [(p, s) for p, _ in requests for s in ((1.0, 1.0), (1.0, 0.6))]
+    assert [row["level"] for row in rows] == [levels[-1], "0.5"] * 2
+    assert all(row["ratio"] == 1.0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["text"] for row in rows)
