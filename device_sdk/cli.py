@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         command = package_command(name, help, handler)
         command.add_argument("--quantize", choices=("int8", "fp16"), help="weight format at load")
     commands = sub.choices
-    commands["profile"].add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 256])
+    commands["profile"].add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 128, 512, 1024])
     commands["profile"].add_argument("--decode-tokens", type=int, default=16)
     generate = commands["generate"]
     generate.add_argument("prompt")

@@ -1,7 +1,9 @@
 """This device's cost model: measured per-level latency, SLOs, and the level decision.
 
-A profile holds, per level, TTFT as a line in the prompt length (`base + per_token · n`)
-and TPOT, measured on this device for one weight format; `elastify-device profile` writes
+A profile holds, per level, TTFT in the prompt length (a line `base + per_token · n`, and where
+three or more lengths were timed the measured points themselves, interpolated: prefill attention
+grows faster than the line beyond a few hundred tokens) and TPOT, measured on this device for one
+weight format; `elastify-device profile` writes
 it beside the package. `choose_level` is the decision until the package carries a TLM: the
 largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort); either
 way only among the levels the package marks usable (`usable_levels`).
@@ -55,6 +57,17 @@ class LevelLatency:
     ttft_base_ms: float
     ttft_per_token_ms: float
     tpot_ms: float
+    # (prompt tokens, TTFT ms) as measured, ascending; TTFT is interpolated between them and the last
+    # segment extended beyond. None: the line alone (two lengths timed, or an older profile).
+    ttft_points: list[tuple[int, float]] | None = None
+
+    def ttft_ms(self, prompt_tokens: int) -> float:
+        points = self.ttft_points
+        if not points or len(points) < 2:
+            return self.ttft_base_ms + self.ttft_per_token_ms * prompt_tokens
+        segment = next((i for i in range(1, len(points) - 1) if prompt_tokens <= points[i][0]), len(points) - 1)
+        (n0, t0), (n1, t1) = points[segment - 1], points[segment]
+        return max(t0 + (t1 - t0) * (prompt_tokens - n0) / (n1 - n0), 0.0)
 
 
 @dataclass
@@ -66,9 +79,12 @@ class TLMLatency:
     decide_per_token_ms: float
     compress_base_ms: float
     compress_per_token_ms: float
+    # The decision reads at most this many tokens (the TLM's window: the prompt's head and tail); None: all.
+    decide_window: int | None = None
 
     def ms(self, prompt_tokens: int, compressing: bool) -> float:
-        total = self.decide_base_ms + self.decide_per_token_ms * prompt_tokens
+        read = prompt_tokens if self.decide_window is None else min(prompt_tokens, self.decide_window)
+        total = self.decide_base_ms + self.decide_per_token_ms * read
         if compressing:
             total += self.compress_base_ms + self.compress_per_token_ms * prompt_tokens
         return total
@@ -93,8 +109,7 @@ class LatencyProfile:
         return 0.0 if self.tlm is None else self.tlm.ms(prompt_tokens, prompt_ratio < 1.0)
 
     def ttft_ms(self, level: str, prompt_tokens: int) -> float:
-        entry = self.levels[level]
-        return entry.ttft_base_ms + entry.ttft_per_token_ms * prompt_tokens
+        return self.levels[level].ttft_ms(prompt_tokens)
 
     def tpot_ms(self, level: str) -> float:
         return self.levels[level].tpot_ms
@@ -109,6 +124,9 @@ class LatencyProfile:
     def load(cls, path: Path) -> LatencyProfile:
         data = json.loads(Path(path).read_text())
         data["levels"] = {name: LevelLatency(**entry) for name, entry in data["levels"].items()}
+        for entry in data["levels"].values():  # JSON has no tuples
+            if entry.ttft_points is not None:
+                entry.ttft_points = [tuple(point) for point in entry.ttft_points]
         return cls(**data)
 
 
@@ -191,9 +209,13 @@ def timed_ms(fn) -> float:
 
 
 def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> LevelLatency:
-    """Prefill at each prompt length (fit a line), then the mean of single-token decode steps."""
-    ttfts, tpot = measure_points(model, prompt_lengths, decode_tokens, repeats)
-    return LevelLatency(*line_through(prompt_lengths, ttfts), tpot)
+    """Prefill at each prompt length (a line through the ends, and the points themselves when there are
+    three or more), then the mean of single-token decode steps. Lengths the model cannot hold are skipped."""
+    room = model.manifest.architecture.max_position - decode_tokens - 1
+    lengths = tuple(n for n in prompt_lengths if n <= room) or (min(prompt_lengths[0], room),)
+    ttfts, tpot = measure_points(model, lengths, decode_tokens, repeats)
+    points = [(n, t) for n, t in zip(lengths, ttfts, strict=True)] if len(lengths) >= 3 else None
+    return LevelLatency(*line_through(lengths, ttfts), tpot, ttft_points=points)
 
 
 def line_through(lengths, times_ms) -> tuple[float, float]:
@@ -228,7 +250,7 @@ def measure_profile(
     model,
     *,
     levels: list[str] | None = None,
-    prompt_lengths: tuple[int, ...] = (32, 128),
+    prompt_lengths: tuple[int, ...] = (32, 128, 512, 1024),
     decode_tokens: int = 16,
     repeats: int = 2,
 ) -> LatencyProfile:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from device_sdk.latency import SLO, LatencyProfile
+from device_sdk.latency import SLO, LatencyProfile, LevelLatency
 from pipeline.latency import LevelCost, feasible, fit_host, predicted_profile
 
 
@@ -38,10 +38,36 @@ def test_latency_profile_round_trips_through_the_sdk_schema(tmp_path):
     profile = predicted_profile(costs(), {"ttft_overhead_ms": 2, "ms_per_flop": 1e-7, "tpot_overhead_ms": 1,
                                           "ms_per_byte": 1e-9}, reference_tokens=128)
     data = latency_profile_dict(profile)
-    assert set(data["levels"]["0.5"]) == {"ttft_base_ms", "ttft_per_token_ms", "tpot_ms"}
+    assert set(data["levels"]["0.5"]) == {"ttft_base_ms", "ttft_per_token_ms", "tpot_ms", "ttft_points"}
+    assert data["levels"]["0.5"]["ttft_points"] is None  # the build host predicts a line
     path = tmp_path / "profile.json"
     profile.save(path)
     assert LatencyProfile.load(path).levels == profile.levels
+    measured = LatencyProfile("fp32", 1, {"1.0": LevelLatency(10.0, 1.0, 5.0, ttft_points=[(32, 40.0), (512, 700.0),
+                                                                                       (1024, 2700.0)])})
+    measured.save(path)
+    assert LatencyProfile.load(path).levels == measured.levels
+
+
+def test_ttft_follows_the_measured_points_where_the_line_would_not():
+    """Prefill grows faster than a line beyond a few hundred tokens: TTFT interpolates the measured points
+    and extends the last segment; with two points or none it is the line."""
+    entry = LevelLatency(10.0, 1.0, 5.0, ttft_points=[(32, 40.0), (512, 700.0), (1024, 2700.0)])
+    assert entry.ttft_ms(32) == 40.0 and entry.ttft_ms(1024) == 2700.0
+    assert entry.ttft_ms(272) == pytest.approx(370.0)  # half way from 32 to 512
+    assert entry.ttft_ms(768) == pytest.approx(1700.0)
+    assert entry.ttft_ms(2048) == pytest.approx(2700.0 + 2000.0 * 2)  # the last segment's slope, extended
+    assert entry.ttft_ms(16) == pytest.approx(40.0 - 660.0 / 480 * 16)
+    assert LevelLatency(10.0, 1.0, 5.0).ttft_ms(100) == 110.0
+
+
+def test_the_tlm_decision_costs_no_more_than_its_window():
+    from device_sdk.latency import TLMLatency
+
+    windowed, unbounded = TLMLatency(2.0, 0.5, 1.0, 0.25, decide_window=256), TLMLatency(2.0, 0.5, 1.0, 0.25)
+    assert windowed.ms(100, False) == unbounded.ms(100, False) == 52.0
+    assert windowed.ms(1000, False) == 2.0 + 0.5 * 256 and unbounded.ms(1000, False) == 502.0
+    assert windowed.ms(1000, True) == 2.0 + 0.5 * 256 + 1.0 + 0.25 * 1000  # compression reads it all
 
 
 def test_latency_feasibility_uses_fractions_of_the_full_model():

@@ -102,6 +102,15 @@ def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
     assert "saved" in capsys.readouterr().out
 
 
+def test_measured_levels_keep_their_ttft_points_and_skip_lengths_the_model_cannot_hold(model):
+    from device_sdk.latency import measure_level
+
+    entry = measure_level(model, (4, 8, 12, 10**6), decode_tokens=2, repeats=1)
+    assert [n for n, _ in entry.ttft_points] == [4, 8, 12]
+    assert all(entry.ttft_ms(n) == ms for n, ms in entry.ttft_points)
+    assert measure_level(model, (4, 12), decode_tokens=2, repeats=1).ttft_points is None  # two: the line
+
+
 def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
     common = ["generate", str(package), "--public-key", key, "--max-new-tokens", "2", "--level", "0.5"]

@@ -168,8 +168,8 @@ def test_a_slower_profile_never_yields_a_costlier_cell_for_the_utility_head():
         target, tlm = _target(rng), TLMLatency(2.0, 0.02, 3.0, 0.05)
         fast = _profile(rng, tlm=tlm)
         slow = _profile(rng, scale=rng.uniform(1.0, 2.0), tlm=tlm)
-        slow.levels = {m: LevelLatency(*(max(a, b) for a, b in zip(vars(fast.levels[m]).values(),
-                                                                    vars(slow.levels[m]).values(), strict=True)))
+        slow.levels = {m: LevelLatency(*(max(getattr(fast.levels[m], f), getattr(slow.levels[m], f))
+                                         for f in ("ttft_base_ms", "ttft_per_token_ms", "tpot_ms")))
                        for m in LEVELS}  # every level at least as slow as on the fast device
         before = utility_choice(utility, feasible_mask(fast, RATIOS, LEVELS, TOKENS, target), _cost(fast))
         after = utility_choice(utility, feasible_mask(slow, RATIOS, LEVELS, TOKENS, target), _cost(slow))
