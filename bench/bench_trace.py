@@ -7,8 +7,8 @@ asserted disjoint from the held-in ones.
 
 Trace. `pipeline.trace.make_trace`: --requests requests in ElastiLM's six SLO classes (TTFT, TPOT
 fractions) (1, 1), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5); class k is tied to task
-k mod len(tasks) (four labelled tasks stand in for ElastiLM's six, so classes 5 and 6 reuse the first
-two) and asks that task's held-out items, each about equally often. Class skew α: class k gets a share
+k mod len(tasks) (six tasks by default, one per class, with their five-shot blocks) and asks that
+task's held-out items, each about equally often. Class skew α: class k gets a share
 ∝ (1 + α)^k (0 = loosest), rounded so the counts sum to the total; α = 0, +0.25 (tight-heavy), −0.25.
 The trace is shuffled with --seed.
 
@@ -49,6 +49,7 @@ respects the cost model, over the same requests. Violations are counted on this 
 run: they mean something only on a quiet machine; the load average is in the JSON.
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
+                                                        # the committed run (~55 min once labelled)
   nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
 """
 
@@ -151,12 +152,12 @@ def main() -> None:
     parser.add_argument("--package", type=Path, required=True, help="elastified package with level adapters")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-decision-head"),
                         help="stage outputs (bench_decision_head's, reused)")
-    parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq")
+    parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq,siqa,boolq")
     parser.add_argument("--ratios", default="0.5,0.7,1.0")
     parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
     parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
-    parser.add_argument("--test-ranges", default="300:315,315:340", help="held-out item ranges per task")
-    parser.add_argument("--shots", type=int, default=0,
+    parser.add_argument("--test-ranges", default="300:330", help="held-out item ranges per task")
+    parser.add_argument("--shots", type=int, default=5,
                         help="the label stage's few-shot block (LabelSettings.shots); 0: zero-shot prompts")
     parser.add_argument("--margin-temperature", type=float, default=0.5)
     parser.add_argument("--requests", type=int, default=600)
