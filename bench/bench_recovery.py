@@ -22,7 +22,8 @@ CPU). The curve's points (LAMBADA) are read on the training model (same weights,
 slice (every 20th recovery text, kept out of training) is recorded along the curve.
 
 The corpus is generated once by the full model and cached by content hash under
-~/.cache/elastify/bench/. Two methods train side by side, one thread each.
+~/.cache/elastify/bench/. Three worker processes train side by side, one thread each ((a)+(b), (c)+(d),
+(e)); on 2 cores they share.
 
   .venv/bin/python bench/bench_recovery.py --steps 48 --lambada-windows 48 --compare-calibration none
                                                                  # the committed run (~40 min, 2 cores)
@@ -447,7 +448,8 @@ def plot(results: dict, path: Path) -> None:
     levels = results["levels"]
     full = results["full_model"]
     fig, axes = plt.subplots(1, len(levels) + 1, figsize=(5 * (len(levels) + 1), 4.2))
-    colors = {"lm-ptb": "tab:gray", "lm-corpus": "tab:blue", "distill": "tab:red", "distill-warm": "tab:purple"}
+    colors = {"lm-ptb": "tab:gray", "lm-corpus": "tab:blue", "distill": "tab:red", "distill-warm": "tab:purple",
+              "distill-onpolicy": "tab:green"}
     for ax, level in zip(axes, sorted(levels, key=float, reverse=True), strict=False):
         for method, per_level in results["curves"].items():
             points = per_level[level]
