@@ -272,20 +272,24 @@ def embedded_demo() -> None:
 
         model = ElasticModel.load(Path(local), public_key=settings.public_key_b64())
         console.print(_level_table(level_continuations(model)))
+        model.latency_profile = demo_profile(model)
         console.print(_slo_table(slo_servings(model)))
 
 
 DEMO_PROMPT = "The capital of France is"
 DEMO_LEVELS = ("1.0", "0.7", "0.5")
-# Two requests as an app would send them: a bare question, and a passage whose question `keep` spares
-# from compression; each under a loose and a tight SLO (fractions of the full model's TTFT, TPOT).
-DEMO_QUESTION = "Question: Which gas do plants take in from the air?\nAnswer:"
+# Two requests as an app would send them, an instruction or a passage and then a question that `keep`
+# spares from compression (a bare question compressed to a third says nothing); each under a loose and a
+# tight SLO (fractions of the full model's TTFT, TPOT).
+DEMO_INSTRUCTION = ("You are a science tutor for school children. Answer the question below in a few plain words, "
+                    "and do not add anything else.")
 DEMO_PASSAGE = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is "
                 "named after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 "
                 "to 1889 as the centrepiece of the 1889 World's Fair.")
-DEMO_REQUESTS = ((DEMO_QUESTION, ""), (f"{DEMO_PASSAGE}\nQuestion: Who is the tower named after?\nAnswer:",
-                                       "Question: Who is the tower named after?\nAnswer:"))
-DEMO_SLOS = ((1.0, 1.0), (0.6, 0.8))
+DEMO_REQUESTS = tuple((f"{context}\n{question}", question) for context, question in (
+    (DEMO_INSTRUCTION, "Question: Which gas do plants take in from the air?\nAnswer:"),
+    (DEMO_PASSAGE, "Question: Who is the tower named after?\nAnswer:")))
+DEMO_SLOS = ((1.5, 1.2), (0.6, 0.8))  # loose: (1, 1) is the full model racing its own prediction
 
 
 def level_continuations(model, prompt: str = DEMO_PROMPT, levels: tuple[str, ...] = DEMO_LEVELS,
@@ -298,6 +302,17 @@ def level_continuations(model, prompt: str = DEMO_PROMPT, levels: tuple[str, ...
         text = model.generate(prompt, max_new_tokens=max_new_tokens, level=shape.name).text
         rows.append((shape.name, f"{shape.active_fraction:.2f}", text))
     return rows
+
+
+def demo_profile(model):
+    """This device's profile of the levels an SLO decision may pick (and the full model, which SLO fractions
+    are of), as `elastify-device profile` measures it, at the demo's prompt lengths: seconds, where the quick
+    estimate's 8- and 32-token line misjudges even the full model on these prompts."""
+    from device_sdk.latency import measure_profile
+
+    shapes = [model.manifest.elastic.level(name) for name in model.available_levels()]
+    names = sorted({shape.name for shape in shapes if shape.usable} | {shapes[-1].name}, key=float)
+    return measure_profile(model, levels=names, prompt_lengths=(16, 48, 96), decode_tokens=8, repeats=2)
 
 
 def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: int = 12) -> list[dict]:

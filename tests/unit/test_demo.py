@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from api.app import default_registry
-from api.commands.cluster import demo_spec, level_continuations, slo_servings
+from api.commands.cluster import demo_profile, demo_spec, level_continuations, slo_servings
 from cluster.dag import UpstreamInput, plan
 from cluster.spec import parse_spec
 from device_sdk.format import public_key_b64
@@ -47,3 +47,14 @@ def test_the_demo_serves_two_prompts_under_two_slos_and_reports_what_it_chose(tm
     assert [(row["prompt"], row["slo"]) for row in rows] == [(p, s) for p, _ in requests for s in ((1.0, 1.0), (1.0, 0.6))]
     assert [row["level"] for row in rows] == [levels[-1], "0.5"] * 2
     assert all(row["ratio"] == 1.0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["text"] for row in rows)
+
+
+def test_the_demo_profiles_the_levels_a_decision_may_pick_and_the_full_model(tmp_path):
+    key = signing_key()
+    _, package = tiny_package("llama_gqa", tmp_path / "pkg", key)
+    model = ElasticModel.load(package, public_key=public_key_b64(public_bytes(key)))
+    for shape in model.manifest.elastic.levels:
+        shape.usable = shape.name == "0.5"  # as a report card might mark them
+    profile = demo_profile(model)
+    assert sorted(profile.levels, key=float) == ["0.5", model.available_levels()[-1]] and not profile.estimated
+    assert all(entry.tpot_ms > 0 and entry.ttft_ms(32) > 0 for entry in profile.levels.values())
