@@ -346,7 +346,8 @@ class ElasticModel:
         """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
         Greedy unless `sampling` says otherwise. `keep`, an end of `prompt` (the question after a
-        few-shot block or a passage), is never compressed: the TLM compresses only what comes before it. Generation ends at the end-of-sequence token, at
+        few-shot block or a passage), is never compressed: the TLM compresses only what comes before
+        it. Generation ends at the end-of-sequence token, at
         `max_new_tokens`, or at the first of the `stop` strings, which is left out of the text
         (finish_reason "stop"); streamed text holds back what could be the start of a stop string.
         With `stream=True` returns a GenerationStream of text pieces; else a Generation.
