@@ -149,15 +149,20 @@ def repeated_4gram_rate(outputs: list[list[int]]) -> float:
 
     [1, 2, 3, 4, 1, 2, 3, 4] has five 4-grams, the last a repeat of the first: 0.2.
     """
-    repeats = total = 0
-    for tokens in outputs:
-        seen = set()
-        for i in range(len(tokens) - 3):
-            gram = tuple(tokens[i : i + 4])
-            repeats += gram in seen
-            seen.add(gram)
-            total += 1
+    repeats = sum(len(repeated_ngram_starts(tokens)) for tokens in outputs)
+    total = sum(max(len(tokens) - 3, 0) for tokens in outputs)
     return repeats / total if total else 0.0
+
+
+def repeated_ngram_starts(tokens: list[int], n: int = 4) -> list[int]:
+    """Where in `tokens` an n-gram starts that already occurred earlier in them."""
+    seen, starts = set(), []
+    for i in range(len(tokens) - n + 1):
+        gram = tuple(tokens[i : i + n])
+        if gram in seen:
+            starts.append(i)
+        seen.add(gram)
+    return starts
 
 
 def accuracy_stderr(accuracy: float, items: int) -> float:

@@ -338,14 +338,12 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
 def repeated_ngram_positions(ids: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
     """[batch, length] bool: the tokens from `start` on that belong to an n-gram already written earlier
     in the same row from `start` (what `pipeline.evaluate.repeated_4gram_rate` counts): the tokens of a loop."""
+    from pipeline.evaluate import repeated_ngram_starts
+
     repeated = torch.zeros_like(ids, dtype=torch.bool)
     for row, tokens in enumerate(ids[:, start:].tolist()):
-        seen = set()
-        for i in range(len(tokens) - n + 1):
-            gram = tuple(tokens[i : i + n])
-            if gram in seen:
-                repeated[row, start + i : start + i + n] = True
-            seen.add(gram)
+        for i in repeated_ngram_starts(tokens, n):
+            repeated[row, start + i : start + i + n] = True
     return repeated
 
 
