@@ -34,7 +34,10 @@ a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio
   random feasible    the exact expectation of a uniform draw among feasible cells (not served)
   oracle             the best feasible cell per item: an upper bound, not a policy (not served)
 
-Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`). The accuracy of a request
+Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`); every cost model counts
+the question kept whole (ratio × the rest + the question) and, per level and depth, TTFT measured at
+PROFILE_LENGTHS and interpolated. Ours skips the TLM where its own time is all that misses the SLO
+(`tlm_decider`), serving the profile rule's level on the whole prompt. The accuracy of a request
 is the label of the cell it was served at: the multiple-choice scoring of that item at that cell (option
 log-likelihood, the `label` stage; ShortGPT's depths are scored here the same way). The served prompt is
 compressed by the SDK's TLM as the device does, all but its question (the labelled prompt's `kept` end,
@@ -93,6 +96,7 @@ from pipeline.trace import (
     random_feasible_expectation,
 )
 
+PROFILE_LENGTHS = (32, 128, 256, 512, 1024)  # prompt tokens timed per level and depth: BoolQ's reach ~940
 SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT"]
 BASELINES = ["LLM-Pruner", "LLMLingua-2", "ShortGPT", "random feasible"]
 
@@ -220,13 +224,13 @@ def main() -> None:
     model.eos_ids = set()  # every request decodes --new-tokens tokens
     for shape in model.manifest.elastic.levels:  # decisions (and their best-effort fallback) stay on the labelled grid
         shape.usable = shape.usable and shape.name in levels
-    device = measure_profile(model, levels=levels, repeats=5)
+    device = measure_profile(model, levels=levels, prompt_lengths=PROFILE_LENGTHS, repeats=5)
     tlm_latency = {name: measure_tlm_latency(head, repeats=3) for name, head in heads.items()}
     depth_profiles = shortgpt_profiles(model, [float(x) for x in args.depths.split(",")])
     depth_latency = {}
     for name, profile in depth_profiles.items():
         model.set_widths(profile.attn_units, profile.mlp_units)
-        depth_latency[name] = measure_level(model, (32, 128), decode_tokens=16, repeats=5)
+        depth_latency[name] = measure_level(model, PROFILE_LENGTHS, decode_tokens=16, repeats=5)
     depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency)
     model.profiles = lambda: depth_profiles  # served as CLONE profiles are
     items_by_id = {}
@@ -246,11 +250,12 @@ def main() -> None:
 
     # ---- serve the α = 0 trace, every request once per policy
     n_tokens = {i: int(tokens[row[i]]) for i in row}
+    n_kept = {i: len(model.tokenizer.encode(kept[i], add_special_tokens=False).ids) if kept[i] else 0 for i in row}
 
     def baseline_decider(choose, decides: bool, compresses: bool):
-        def decide(prompt, prompt_tokens, slo, profile, _levels):
+        def decide(prompt, prompt_tokens, slo, profile, _levels, kept_tokens=0):
             paid = policy_profile(profile, decides, compresses)
-            r, m, met = choose(feasible_mask(paid, ratios, levels, prompt_tokens, slo))
+            r, m, met = choose(feasible_mask(paid, ratios, levels, prompt_tokens, slo, kept_tokens))
             return Decision(levels[m], ratios[r], met)
         return decide
 
@@ -269,7 +274,7 @@ def main() -> None:
         paid = policy_profile(model.latency_profile, policy.startswith("ours"), model.compress is not None)
         return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible,
                          "correct": bool(correct[row[item], r, m]),
-                         "predicted_ms": [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item]),
+                         "predicted_ms": [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item], n_kept[item]),
                                           paid.tpot_ms(levels[m])]}
 
     setups = {
@@ -332,7 +337,7 @@ def main() -> None:
             target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
             paid = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
                                                  tlm=tlm_latency["ours (utility)"]), False, True)
-            mask = feasible_mask(paid, ratios, levels, n_tokens[request.item], target)
+            mask = feasible_mask(paid, ratios, levels, n_tokens[request.item], target, n_kept[request.item])
             cells = correct[row[request.item]]
             per["random feasible"]["correct"].append(random_feasible_expectation(cells, mask))
             per["oracle"]["correct"].append(oracle(cells, mask))

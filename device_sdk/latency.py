@@ -82,11 +82,13 @@ class TLMLatency:
     # The decision reads at most this many tokens (the TLM's window: the prompt's head and tail); None: all.
     decide_window: int | None = None
 
-    def ms(self, prompt_tokens: int, compressing: bool) -> float:
+    def ms(self, prompt_tokens: int, compressing: bool, kept_tokens: int = 0) -> float:
+        """The decision over the prompt (up to the window), and compression over all but its last
+        `kept_tokens` (the end a request keeps whole is never scored)."""
         read = prompt_tokens if self.decide_window is None else min(prompt_tokens, self.decide_window)
         total = self.decide_base_ms + self.decide_per_token_ms * read
         if compressing:
-            total += self.compress_base_ms + self.compress_per_token_ms * prompt_tokens
+            total += self.compress_base_ms + self.compress_per_token_ms * (prompt_tokens - kept_tokens)
         return total
 
 
@@ -104,9 +106,9 @@ class LatencyProfile:
         if isinstance(self.tlm, dict):  # read back from JSON
             self.tlm = TLMLatency(**self.tlm)
 
-    def tlm_ms(self, prompt_tokens: int, prompt_ratio: float) -> float:
+    def tlm_ms(self, prompt_tokens: int, prompt_ratio: float, kept_tokens: int = 0) -> float:
         """The TLM's predicted time before prefill for this prompt (0 where it was not measured)."""
-        return 0.0 if self.tlm is None else self.tlm.ms(prompt_tokens, prompt_ratio < 1.0)
+        return 0.0 if self.tlm is None else self.tlm.ms(prompt_tokens, prompt_ratio < 1.0, kept_tokens)
 
     def ttft_ms(self, level: str, prompt_tokens: int) -> float:
         return self.levels[level].ttft_ms(prompt_tokens)
@@ -174,8 +176,12 @@ def usable_levels(levels: list[LevelShape]) -> list[LevelShape]:
     return usable or [max(levels, key=lambda shape: shape.level)]
 
 
-def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
-    """The largest usable level predicted to meet both targets; the smallest usable one when none is."""
+def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape],
+                 kept_tokens: int = 0) -> Decision:
+    """The largest usable level predicted to meet both targets; the smallest usable one when none is.
+
+    Every decision takes these arguments; `kept_tokens` counts the prompt's end that compression
+    never touches (this rule never compresses, so it ignores them)."""
     target = slo.absolute(profile, prompt_tokens)
     ordered = sorted(usable_levels(levels), key=lambda shape: shape.level)
     for level in reversed(ordered):
@@ -186,17 +192,23 @@ def choose_level(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProf
     return Decision(ordered[0].name, feasible=False)
 
 
-def predicted_ttft_ms(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int) -> float:
-    """TTFT of `level` on the `prompt_ratio`-compressed prompt, the TLM's own time included (where measured)."""
-    kept = max(1, round(prompt_ratio * prompt_tokens))
-    return profile.tlm_ms(prompt_tokens, prompt_ratio) + profile.ttft_ms(level, kept)
+def predicted_ttft_ms(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int,
+                      kept_tokens: int = 0) -> float:
+    """TTFT of `level` on the prompt with all but its last `kept_tokens` compressed to `prompt_ratio`,
+    the TLM's own time included (where measured)."""
+    if not 0 <= kept_tokens <= prompt_tokens:
+        raise ValueError(f"kept_tokens must be in [0, {prompt_tokens}], got {kept_tokens}")
+    served = max(1, kept_tokens + round(prompt_ratio * (prompt_tokens - kept_tokens)))
+    return profile.tlm_ms(prompt_tokens, prompt_ratio, kept_tokens) + profile.ttft_ms(level, served)
 
 
-def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO) -> bool:
-    """Whether `level` on the `prompt_ratio`-compressed prompt is predicted to meet `slo`; TTFT counts the
-    TLM's time where the profile holds it."""
+def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int, slo: SLO,
+             kept_tokens: int = 0) -> bool:
+    """Whether `level` on the compressed prompt (see `predicted_ttft_ms`) is predicted to meet `slo`; TTFT
+    counts the TLM's time where the profile holds it."""
     target = slo.absolute(profile, prompt_tokens)
-    return target.met(predicted_ttft_ms(profile, level, prompt_ratio, prompt_tokens), profile.tpot_ms(level))
+    return target.met(predicted_ttft_ms(profile, level, prompt_ratio, prompt_tokens, kept_tokens),
+                      profile.tpot_ms(level))
 
 
 # --------------------------------------------------------------------------- measuring

@@ -383,7 +383,8 @@ class ElasticModel:
                             "because it was asked for", forced.name, _quality_summary(forced))
             decision = Decision(forced.name)
         elif slo is not None:
-            decision = self.decide(prompt, len(ids), slo, latency, levels)
+            kept_tokens = min(len(self.tokenizer.encode(keep, add_special_tokens=False).ids), len(ids)) if keep else 0
+            decision = self.decide(prompt, len(ids), slo, latency, levels, kept_tokens=kept_tokens)
         else:
             decision = Decision(levels[-1].name)
         prompt_tokens = len(ids)  # a relative SLO is relative to the full model on the prompt as given

@@ -29,6 +29,7 @@ from device_sdk.latency import (
     Decision,
     LatencyProfile,
     TLMLatency,
+    choose_level,
     feasible,
     line_through,
     predicted_ttft_ms,
@@ -279,12 +280,16 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     Absolute SLOs become fractions of the full model's predicted latency for this prompt. Only
     levels this copy holds and the package marks usable, and pairs the profile predicts to meet the
     SLO (the TLM's own time in TTFT, where the profile measured it), are eligible. A utility head
-    takes the eligible cell most likely to answer right, ties to the one predicted cheapest. Where
-    only the TLM's own time keeps the largest usable level on the whole prompt from meeting the SLO,
-    that level is served without asking the TLM.
+    takes the eligible cell most likely to answer right, ties to the one predicted cheapest.
+
+    Where the TLM's own time is all that stands in the way, the TLM is skipped and the request served
+    on the whole prompt by the profile rule (`choose_level`): when the largest usable level meets the
+    SLO without the TLM but not with it (at (1, 1) it never does: asking could only push the request
+    to a worse cell), and when no cell meets it with the TLM's time but some level does without.
     """
 
-    def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape]) -> Decision:
+    def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape],
+               kept_tokens: int = 0) -> Decision:
         target = slo.absolute(profile, prompt_tokens)
         full = profile.largest_level()
         ttft_fraction = 1.0 if target.ttft_ms is None else target.ttft_ms / profile.ttft_ms(full, prompt_tokens)
@@ -292,20 +297,18 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
         held = {level.name for level in usable_levels(levels)}  # what the decision and its fallback may pick
 
         def is_feasible(r: float, m: str) -> bool:
-            return m in held and feasible(profile, m, r, prompt_tokens, target)
+            return m in held and feasible(profile, m, r, prompt_tokens, target, kept_tokens)
 
-        largest = max(held, key=Level)
-        # When the largest level on the whole prompt meets the SLO by itself but not once the TLM's own
-        # time is added (at (1, 1) it never does), asking the TLM could only push the request to a worse
-        # cell: serve that level without it.
-        if not is_feasible(1.0, largest) and target.met(profile.ttft_ms(largest, prompt_tokens),
-                                                        profile.tpot_ms(largest)):
-            return Decision(largest, 1.0, True)
+        without_tlm = choose_level(prompt, prompt_tokens, target, profile, levels)
+        if without_tlm.feasible and not is_feasible(1.0, without_tlm.level) and (
+                without_tlm.level == max(held, key=Level)
+                or not any(is_feasible(r, m) for r in tlm.ratios for m in tlm.levels)):
+            return without_tlm
 
         if getattr(tlm, "decision_head", "slo_token") == "utility":  # the SLO masks; the head ranks what remains
             ratio, level, met = best_utility_cell(
                 tlm.utility(prompt), tlm.ratios, tlm.levels, is_feasible,
-                lambda r, m: predicted_ttft_ms(profile, m, r, prompt_tokens) + profile.tpot_ms(m))
+                lambda r, m: predicted_ttft_ms(profile, m, r, prompt_tokens, kept_tokens) + profile.tpot_ms(m))
         else:
             ratio, level, met = tlm.decide(prompt, ttft_fraction, tpot_fraction, is_feasible)
         if not met:  # best effort: the lightest pair this copy holds

@@ -77,9 +77,11 @@ def policy_profile(profile: LatencyProfile, decides: bool, compresses: bool) -> 
 
 
 def feasible_mask(profile: LatencyProfile, ratios: Sequence[float], levels: Sequence[str], prompt_tokens: int,
-                  target: SLO) -> torch.Tensor:
-    """[ratios, levels] bool: the cells `profile` predicts to meet `target` on a prompt of `prompt_tokens`."""
-    return torch.tensor([[feasible(profile, m, r, prompt_tokens, target) for m in levels] for r in ratios])
+                  target: SLO, kept_tokens: int = 0) -> torch.Tensor:
+    """[ratios, levels] bool: the cells `profile` predicts to meet `target` on a prompt of `prompt_tokens`
+    whose last `kept_tokens` are never compressed."""
+    return torch.tensor([[feasible(profile, m, r, prompt_tokens, target, kept_tokens) for m in levels]
+                         for r in ratios])
 
 
 # --------------------------------------------------------------------------- the policies' choice

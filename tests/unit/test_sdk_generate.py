@@ -60,15 +60,19 @@ def test_sdk_decision_hook_replaces_the_profile_rule(model):
     """The TLM issue plugs in here: a decider picks (level, prompt ratio), a compressor applies the ratio."""
     seen = {}
 
-    def tlm_decide(prompt, prompt_tokens, slo, profile, levels):
-        seen["args"] = (prompt, prompt_tokens, slo)
+    def tlm_decide(prompt, prompt_tokens, slo, profile, levels, kept_tokens):
+        seen["args"] = (prompt, prompt_tokens, slo, kept_tokens)
         return Decision("0.5", prompt_ratio=0.5)
 
     model.decide = tlm_decide
     model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
     out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
-    assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100))
+    assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100), 0)
     assert out.level == "0.5" and out.prompt_tokens == 4
+    # The end kept whole is counted for the cost model, and only the rest is compressed.
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2, keep="efgh")
+    assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100), 4)
+    assert out.prompt_tokens == 6  # "ab" + "efgh"
 
 
 def test_a_relative_slo_is_judged_against_the_prompt_as_given_not_the_compressed_one(model, monkeypatch):
@@ -80,7 +84,7 @@ def test_a_relative_slo_is_judged_against_the_prompt_as_given_not_the_compressed
         return absolute(self, profile, prompt_tokens)
 
     monkeypatch.setattr(SLO, "absolute", recording)
-    model.decide = lambda prompt, prompt_tokens, slo, profile, levels: Decision("0.5", prompt_ratio=0.5)
+    model.decide = lambda prompt, prompt_tokens, slo, profile, levels, kept_tokens: Decision("0.5", prompt_ratio=0.5)
     model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
     out = model.generate("abcdefgh", slo=SLO.fraction(ttft=0.9, tpot=0.9), max_new_tokens=2)
     assert out.prompt_tokens == 4  # what ran

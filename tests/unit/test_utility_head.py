@@ -260,6 +260,44 @@ def test_unusable_levels_are_never_chosen_and_the_tlm_time_masks_cells():
     assert predicted_ttft_ms(slow_tlm, chosen.level, chosen.prompt_ratio, 100) <= slo.ttft_ms
 
 
+class _CountingUtilityTLM(_FakeUtilityTLM):
+    asked = 0
+
+    def utility(self, prompt):
+        self.asked += 1
+        return self._utility
+
+
+def test_the_tlm_is_skipped_where_its_own_time_is_all_that_misses_the_slo():
+    utility = torch.rand(len(RATIOS), len(LEVELS), generator=torch.Generator().manual_seed(0))
+    tlm = _CountingUtilityTLM(utility)
+    decide = tlm_decider(tlm)
+    everything = _shapes({name: True for name in LEVELS})
+    # Level 0.5 meets this TTFT on the whole prompt by 1 ms; a TLM taking 55 ms leaves no cell that meets it.
+    no_tlm = _profile()
+    slo = SLO(ttft_ms=_latency(no_tlm, 1.0, "0.5")[0] + 1.0)
+    slow_tlm = _profile(tlm=TLMLatency(55.0, 0.0, 0.0, 0.0))
+    assert not any(feasible(slow_tlm, m, r, 100, slo) for r in RATIOS for m in LEVELS)
+    chosen = decide("Why?", 100, slo, slow_tlm, everything)
+    assert (chosen.level, chosen.prompt_ratio, chosen.feasible) == ("0.5", 1.0, True) and tlm.asked == 0
+    # With a TLM cheap enough to leave cells, it is asked; with no level meeting it at all, it makes the best effort.
+    chosen = decide("Why?", 100, slo, _profile(tlm=TLMLatency(0.1, 0.0, 0.1, 0.0)), everything)
+    assert tlm.asked == 1 and chosen.feasible
+    chosen = decide("Why?", 100, SLO(ttft_ms=1e-6), slow_tlm, everything)
+    assert tlm.asked == 2 and not chosen.feasible and chosen.level == "0.25"
+
+
+def test_the_kept_end_is_served_whole_and_never_scored():
+    profile = _profile(tlm=TLMLatency(2.0, 0.0, 1.0, 0.5))
+    # 100 tokens, the last 20 kept: at ratio 0.5, 40 + 20 = 60 served; compression scores 80.
+    assert predicted_ttft_ms(profile, "1.0", 0.5, 100, kept_tokens=20) == pytest.approx(
+        2.0 + 1.0 + 0.5 * 80 + profile.ttft_ms("1.0", 60))
+    assert predicted_ttft_ms(profile, "1.0", 0.5, 100) == pytest.approx(2.0 + 1.0 + 0.5 * 100 + profile.ttft_ms("1.0", 50))
+    assert predicted_ttft_ms(profile, "1.0", 1.0, 100, kept_tokens=20) == 2.0 + profile.ttft_ms("1.0", 100)
+    with pytest.raises(ValueError, match="kept_tokens"):
+        predicted_ttft_ms(profile, "1.0", 0.5, 100, kept_tokens=101)
+
+
 def test_profile_keeps_the_tlm_time_through_json(tmp_path):
     profile = _profile(tlm=TLMLatency(3.0, 0.1, 2.0, 0.2))
     profile.save(tmp_path / "p.json")
@@ -308,9 +346,9 @@ def test_generate_with_a_utility_package_counts_the_tlm_in_ttft(tmp_path):
     # The measured TTFT starts before the TLM runs: a decision that takes 300 ms shows in it.
     real = model.decide
 
-    def slow_decide(*args):
+    def slow_decide(*args, **kwargs):
         time.sleep(0.3)
-        return real(*args)
+        return real(*args, **kwargs)
 
     model.decide = slow_decide
     slowed = model.generate(prompt, slo=SLO(ttft_ms=1e6, tpot_ms=1e6), max_new_tokens=2)
