@@ -6,6 +6,7 @@ import base64
 import http.client
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,22 @@ def test_measured_levels_keep_their_ttft_points_and_skip_lengths_the_model_canno
     assert [n for n, _ in entry.ttft_points] == [4, 8, 12]
     assert all(entry.ttft_ms(n) == ms for n, ms in entry.ttft_points)
     assert measure_level(model, (4, 12), decode_tokens=2, repeats=1).ttft_points is None  # two: the line
+
+
+def test_the_profile_times_a_decode_step_as_generate_runs_it_and_ttft_as_the_median(model, monkeypatch):
+    """A profile that leaves out what every served token pays (the pick, the detokenisation), or that
+    keeps the luckiest prefill, predicts requests short and the SLO decision misses at the boundary."""
+    from device_sdk import latency
+
+    decode = model.tokenizer.decode
+    monkeypatch.setattr(model, "tokenizer", type("SlowDecode", (), {"decode": lambda self, ids: (time.sleep(0.02),
+                                                                                                 decode(ids))[1]})())
+    _, tpot = latency.measure_points(model, (4,), decode_tokens=4, repeats=1)
+    assert tpot >= 20.0
+    prefills = iter([1.0, 50.0, 9.0])
+    monkeypatch.setattr(latency, "timed_ms", lambda fn: next(prefills, 1.0))
+    ttfts, _ = latency.measure_points(model, (4,), decode_tokens=1, repeats=3)
+    assert ttfts == [9.0]
 
 
 def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
