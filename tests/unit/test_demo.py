@@ -18,10 +18,12 @@ def test_demo_spec_plans_a_small_corpus_and_recovery_top_down(tmp_path):
     generate = [n for n in nodes.values() if n.type == "corpus-generate"]
     assert len(generate) == 2 and all(n.settings.prompts == 24 for n in generate)  # minutes, not the default's half hour
     recover = [n for n in nodes.values() if n.type == "recover"]
-    assert [n.settings.level for n in recover] == ["0.9", "0.8", "0.7", "0.6", "0.5", "0.4", "0.3", "0.2"]
+    assert [n.settings.level for n in recover] == ["0.9", "0.7", "0.5", "0.3", "0.2"]
     assert all(n.settings.loss == "distill" and n.inputs["corpus"] == UpstreamInput("corpus", "corpus") for n in recover)
-    assert nodes["recover[0.5]"].inputs["init_adapter"] == UpstreamInput("recover[0.6]", "adapter")
+    assert nodes["recover[0.5]"].inputs["init_adapter"] == UpstreamInput("recover[0.7]", "adapter")
     assert "init_adapter" not in nodes["recover[0.9]"].inputs
+    # The last two stages share the two cores instead of queueing for both.
+    assert nodes["tlm-decision"].resources["num_cpus"] == nodes["evaluate"].resources["num_cpus"] == 1
 
 
 def test_the_demo_shows_a_greedy_continuation_per_level_from_the_signed_package(tmp_path):
