@@ -102,7 +102,11 @@ def seaweedfs() -> Iterator[str]:
         "s3.port", "admin.port", "admin.port.grpc", "debug.port",
     )}
     args = [str(VENV_BIN / "weed"), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-admin.ui=false", "-webdav=false", "-master.telemetry=false"]
+            "-admin.ui=false", "-webdav=false", "-master.telemetry=false",
+            # Every test bucket is a collection with volumes of its own; left alone, `weed mini` sizes
+            # volumes at 1 GiB and counts them from the free disk, so a fuller disk ran out of them
+            # mid-suite ("No writable volumes and no free volumes left": InternalError on PutObject).
+            "-master.volumeSizeLimitMB=64", "-volume.max=1000"]
     args += [f"-{name}={port}" for name, port in ports.items()]
     (root / "data").mkdir()
     log = root / "log"
