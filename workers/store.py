@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import tempfile
-import time
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -234,12 +233,6 @@ class LocalStore(ArtifactStore):
         return count
 
 
-# Server-side errors worth another try after botocore's own two attempts: a busy SeaweedFS answers
-# InternalError for a moment (seen under a loaded CI machine), and every call here is safe to repeat.
-TRANSIENT_CODES = frozenset({"InternalError", "ServiceUnavailable", "SlowDown", "500", "503"})
-SERVER_RETRIES = 3
-
-
 class S3Store(ArtifactStore):
     def __init__(self, config: StoreConfig, bucket: str, prefix: str):
         import boto3
@@ -267,21 +260,17 @@ class S3Store(ArtifactStore):
         """Run one boto3 call, turning transport failures into StoreUnavailable with the endpoint."""
         from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
 
-        for attempt in range(SERVER_RETRIES + 1):
-            try:
-                return fn(*args, **kwargs)
-            except EndpointConnectionError as err:
-                raise StoreUnavailable(f"artifact store unreachable at {self.config.endpoint_url}: {err}") from None
-            except ClientError as err:
-                code = err.response.get("Error", {}).get("Code", "")
-                if code in ("404", "NoSuchKey", "NotFound"):
-                    raise FileNotFoundError(f"no object {what} in s3://{self.bucket}/{self.prefix}") from None
-                if code in TRANSIENT_CODES and attempt < SERVER_RETRIES:
-                    time.sleep(0.5 * 2 ** attempt)
-                    continue
-                raise StoreError(f"{what}: {err}") from None
-            except BotoCoreError as err:
-                raise StoreUnavailable(f"artifact store at {self.config.endpoint_url} failed on {what}: {err}") from None
+        try:
+            return fn(*args, **kwargs)
+        except EndpointConnectionError as err:
+            raise StoreUnavailable(f"artifact store unreachable at {self.config.endpoint_url}: {err}") from None
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            if code in ("404", "NoSuchKey", "NotFound"):
+                raise FileNotFoundError(f"no object {what} in s3://{self.bucket}/{self.prefix}") from None
+            raise StoreError(f"{what}: {err}") from None
+        except BotoCoreError as err:
+            raise StoreUnavailable(f"artifact store at {self.config.endpoint_url} failed on {what}: {err}") from None
 
     def ensure_ready(self) -> None:
         from botocore.exceptions import ClientError

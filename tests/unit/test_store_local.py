@@ -55,33 +55,3 @@ def test_keys_cannot_escape_the_store_and_bad_urls_are_refused(tmp_path):
         store.put_bytes("../evil", b"x")
     with pytest.raises(ValueError, match="unsupported store URL"):
         StoreConfig("ftp://host/x").open()
-
-
-def test_s3_calls_ride_out_a_busy_server_but_not_a_real_error(monkeypatch):
-    """SeaweedFS under load answers InternalError for a moment; a denied request is final at once."""
-    from botocore.exceptions import ClientError
-
-    from workers import store as store_module
-    from workers.store import S3Store, StoreError
-
-    monkeypatch.setattr(store_module.time, "sleep", lambda seconds: None)
-    s3 = S3Store(StoreConfig("s3://bucket/x", "http://127.0.0.1:9", "test", "test"), "bucket", "x")
-    calls = []
-
-    def flaky(code: str, failures: int):
-        def call():
-            calls.append(code)
-            if len(calls) <= failures:
-                raise ClientError({"Error": {"Code": code, "Message": "try again"}}, "PutObject")
-            return "stored"
-        return call
-
-    assert s3._call("k", flaky("InternalError", store_module.SERVER_RETRIES)) == "stored"
-    assert len(calls) == store_module.SERVER_RETRIES + 1
-    calls.clear()
-    with pytest.raises(StoreError, match="InternalError"):
-        s3._call("k", flaky("InternalError", store_module.SERVER_RETRIES + 1))
-    calls.clear()
-    with pytest.raises(StoreError, match="AccessDenied"):
-        s3._call("k", flaky("AccessDenied", 1))
-    assert calls == ["AccessDenied"]
