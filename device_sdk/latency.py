@@ -8,6 +8,8 @@ it beside the package. `choose_level` is the decision until the package carries 
 largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort); either
 way only among the levels the package marks usable (`usable_levels`).
 A TLM replaces it by assigning a callable with the same signature to `ElasticModel.decide`.
+Every request a decision served teaches the profile (`Drift`): predictions follow how this device
+actually runs now, not only how it ran when profiled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 import platform
 import statistics
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,13 +41,14 @@ class SLO:
         return cls(ttft, tpot, relative=True)
 
     def absolute(self, profile: LatencyProfile, prompt_tokens: int) -> SLO:
-        """Milliseconds for this prompt length: fractions are of the largest level's predictions."""
+        """Milliseconds for this prompt length: fractions are of the largest level's latency as profiled,
+        not as `Drift` scales it (its upper quantile bounds a cell's latency; a reference is typical)."""
         if not self.relative:
             return self
         full = profile.largest_level()
         return SLO(
-            None if self.ttft_ms is None else self.ttft_ms * profile.ttft_ms(full, prompt_tokens),
-            None if self.tpot_ms is None else self.tpot_ms * profile.tpot_ms(full),
+            None if self.ttft_ms is None else self.ttft_ms * profile.ttft_ms(full, prompt_tokens, calibrated=False),
+            None if self.tpot_ms is None else self.tpot_ms * profile.tpot_ms(full, calibrated=False),
         )
 
     def met(self, ttft_ms: float, tpot_ms: float | None) -> bool:
@@ -94,6 +98,37 @@ class TLMLatency:
 
 
 @dataclass
+class Drift:
+    """How the requests this device serves run against its profile: per level, the last `window` ratios of
+    measured to predicted prefill and TPOT. Predictions are scaled by their `quantile`, so a profile timed
+    on a quieter machine (or more tightly than a request runs) stops promising cells that then miss, and a
+    cell near its SLO's boundary keeps the headroom request-to-request noise needs. A level with fewer
+    than `min_samples` requests of its own takes the ratios pooled over every level (load slows them all).
+    `quantile=None` switches it off: the profile as measured."""
+
+    quantile: float | None = 0.9
+    window: int = 32
+    min_samples: int = 4
+    ratios: dict[tuple[str, str], deque] = field(default_factory=dict, repr=False)  # (kind, level or "*")
+
+    def observe(self, kind: str, level: str, measured_ms: float, predicted_ms: float) -> None:
+        if predicted_ms <= 0 or measured_ms < 0:
+            return
+        ratio = min(max(measured_ms / predicted_ms, 0.25), 4.0)  # one stalled request must not rule a window
+        for key in ((kind, level), (kind, "*")):
+            self.ratios.setdefault(key, deque(maxlen=self.window)).append(ratio)
+
+    def factor(self, kind: str, level: str) -> float:
+        if self.quantile is None:
+            return 1.0
+        for key in ((kind, level), (kind, "*")):
+            seen = self.ratios.get(key)
+            if seen is not None and len(seen) >= self.min_samples:
+                return float(torch.tensor(list(seen)).quantile(self.quantile))
+        return 1.0
+
+
+@dataclass
 class LatencyProfile:
     weight_format: str
     threads: int
@@ -102,6 +137,8 @@ class LatencyProfile:
     measured_at: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))  # noqa: UP017 (3.10)
     estimated: bool = False  # True: only the full level was measured, the rest scaled by active fraction
     tlm: TLMLatency | None = None  # measured on the device where a TLM decides; None: not measured (counts 0)
+    # What served requests taught this copy (never saved); `dataclasses.replace` shares it.
+    drift: Drift = field(default_factory=Drift, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.tlm, dict):  # read back from JSON
@@ -111,17 +148,32 @@ class LatencyProfile:
         """The TLM's predicted time before prefill for this prompt (0 where it was not measured)."""
         return 0.0 if self.tlm is None else self.tlm.ms(prompt_tokens, prompt_ratio < 1.0, kept_tokens)
 
-    def ttft_ms(self, level: str, prompt_tokens: int) -> float:
-        return self.levels[level].ttft_ms(prompt_tokens)
+    def ttft_ms(self, level: str, prompt_tokens: int, calibrated: bool = True) -> float:
+        """Prefill time of `prompt_tokens` at `level`; `calibrated`: scaled by what served requests showed."""
+        measured = self.levels[level].ttft_ms(prompt_tokens)
+        return measured * self.drift.factor("ttft", level) if calibrated else measured
 
-    def tpot_ms(self, level: str) -> float:
-        return self.levels[level].tpot_ms
+    def tpot_ms(self, level: str, calibrated: bool = True) -> float:
+        measured = self.levels[level].tpot_ms
+        return measured * self.drift.factor("tpot", level) if calibrated else measured
+
+    def observe(self, level: str, prompt_tokens: int, prefill_ms: float, tpot_ms: float | None) -> None:
+        """A served request at `level`: its prefill of `prompt_tokens` and its TPOT, as measured."""
+        self.drift.observe("ttft", level, prefill_ms, self.ttft_ms(level, prompt_tokens, calibrated=False))
+        if tpot_ms is not None:
+            self.drift.observe("tpot", level, tpot_ms, self.tpot_ms(level, calibrated=False))
 
     def largest_level(self) -> str:
         return max(self.levels, key=Level)
 
+    def to_dict(self) -> dict:
+        """The measured profile as JSON-ready fields (what requests taught it stays on this copy)."""
+        data = asdict(self)
+        data.pop("drift")
+        return data
+
     def save(self, path: Path) -> None:
-        atomic_write_bytes(Path(path), json.dumps(asdict(self), indent=2).encode())
+        atomic_write_bytes(Path(path), json.dumps(self.to_dict(), indent=2).encode())
 
     @classmethod
     def load(cls, path: Path) -> LatencyProfile:
@@ -165,6 +217,7 @@ class Decision:
     level: str
     prompt_ratio: float = 1.0  # a TLM may also compress the prompt; the profile rule never does
     feasible: bool = True
+    tlm_ran: bool = False  # whether a TLM head was asked (its time is in this request's TTFT)
 
 
 def usable_levels(levels: list[LevelShape]) -> list[LevelShape]:

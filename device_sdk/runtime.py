@@ -401,6 +401,7 @@ class ElasticModel:
         shown = 0  # characters of the decoded text already yielded
         stopped = False
         next_input = torch.tensor([ids])
+        prefill_started = time.perf_counter()
         while len(tokens) < max_new_tokens and cache.length < max_len:
             logits = self.transformer(next_input, cache, last_only=True)
             token = pick(logits[0, -1])
@@ -430,8 +431,10 @@ class ElasticModel:
         tpot_ms = (stamps[-1] - stamps[0]) * 1000 / (len(stamps) - 1) if len(stamps) > 1 else None
         met = True
         if slo is not None:
-            target = slo.absolute(self.latency_profile, prompt_tokens) if slo.relative else slo
+            target = slo.absolute(latency, prompt_tokens) if slo.relative else slo
             met = target.met(ttft_ms, tpot_ms)
+            if level is None and self.profile is None and not self._mixed:  # served at a level's own widths
+                latency.observe(self.level, len(ids), (stamps[0] - prefill_started) * 1000, tpot_ms)
         finish = "stop" if stopped or tokens[-1] in self.eos_ids else "length"
         return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)
 

@@ -313,6 +313,6 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
             ratio, level, met = tlm.decide(prompt, ttft_fraction, tpot_fraction, is_feasible)
         if not met:  # best effort: the lightest pair this copy holds
             level = min(held, key=Level)
-        return Decision(level, ratio, met)
+        return Decision(level, ratio, met, tlm_ran=True)
 
     return decide

@@ -147,7 +147,7 @@ def predicted_profile(costs: dict[str, LevelCost], host: dict[str, float], refer
 
 def latency_profile_dict(profile: LatencyProfile) -> dict:
     """The manifest's `latency_profile`: `LatencyProfile`'s fields, nothing else (the SDK loads it as is)."""
-    return asdict(profile)
+    return profile.to_dict()
 
 
 def profile_from_dict(data: dict) -> LatencyProfile:

@@ -81,14 +81,15 @@ def tiny_package(kind: str, out_dir: Path, key: Ed25519PrivateKey, **config_over
 
 def fixed_profile_model(package_dir: Path):
     """The package's ElasticModel with a fixed latency profile (level i: TTFT base 10(i+1) ms, 0.1(i+1) ms
-    a prompt token, TPOT i+1 ms), so SLO decisions do not depend on how busy the test machine is."""
-    from device_sdk.latency import LatencyProfile, LevelLatency
+    a prompt token, TPOT i+1 ms), so SLO decisions do not depend on how busy the test machine is (nor
+    recalibrate from the requests the test serves)."""
+    from device_sdk.latency import Drift, LatencyProfile, LevelLatency
     from device_sdk.runtime import ElasticModel
 
     model = ElasticModel.load(package_dir, allow_unsigned=True)
     model.latency_profile = LatencyProfile(
         "fp32", 1, {name: LevelLatency(10.0 * (i + 1), 0.1 * (i + 1), 1.0 * (i + 1))
-                    for i, name in enumerate(model.available_levels())})
+                    for i, name in enumerate(model.available_levels())}, drift=Drift(quantile=None))
     return model
 
 

@@ -1,10 +1,15 @@
-"""Cost model: analytic per-level cost, host calibration, the manifest schema the SDK reads, feasibility."""
+"""Cost model: analytic per-level cost, host calibration, the manifest schema the SDK reads, feasibility,
+and the recalibration from served requests."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from device_sdk.latency import SLO, LatencyProfile, LevelLatency
+from device_sdk.latency import SLO, Drift, LatencyProfile, LevelLatency
+from device_sdk.latency import feasible as sdk_feasible
 from pipeline.latency import LevelCost, feasible, fit_host, predicted_profile
 
 
@@ -78,3 +83,38 @@ def test_latency_feasibility_uses_fractions_of_the_full_model():
     assert not feasible(profile, "1.0", 0.5, 100, slo)  # TPOT of the full model exceeds 0.6
     assert not feasible(profile, "0.5", 1.0, 100, SLO.fraction(0.4, 0.6))
     assert feasible(profile, "0.5", 0.5, 100, SLO.fraction(0.4, 0.6))
+
+
+def test_drift_scales_by_an_upper_quantile_of_a_levels_recent_ratios():
+    drift = Drift(quantile=0.9, window=10, min_samples=4)
+    assert drift.factor("ttft", "0.5") == 1.0  # nothing served yet: the profile as measured
+    for ratio in (1.0, 1.1, 1.2):
+        drift.observe("ttft", "0.5", 100.0 * ratio, 100.0)
+    assert drift.factor("ttft", "0.5") == 1.0  # too few to say
+    drift.observe("ttft", "0.5", 130.0, 100.0)
+    assert drift.factor("ttft", "0.5") == pytest.approx(1.27)  # torch's linear quantile of 1.0, 1.1, 1.2, 1.3
+    assert drift.factor("ttft", "1.0") == pytest.approx(1.27)  # a level not yet served takes the pooled ratios
+    assert drift.factor("tpot", "0.5") == 1.0  # TTFT and TPOT drift apart
+    for _ in range(10):  # the window forgets: the device got quieter
+        drift.observe("ttft", "0.5", 80.0, 100.0)
+    assert drift.factor("ttft", "0.5") == pytest.approx(0.8)
+    drift.observe("ttft", "0.5", 1e6, 100.0)  # a stalled request counts as 4x, not 10000x
+    assert max(drift.ratios[("ttft", "0.5")]) == 4.0
+    assert Drift(quantile=None, min_samples=1).factor("ttft", "0.5") == 1.0
+
+
+def test_a_profile_that_served_slow_requests_stops_promising_the_cells_that_missed():
+    profile = LatencyProfile("fp32", 1, {"0.5": LevelLatency(10.0, 1.0, 5.0), "1.0": LevelLatency(20.0, 2.0, 10.0)})
+    slo = SLO(ttft_ms=115.0, tpot_ms=6.0)
+    assert sdk_feasible(profile, "0.5", 1.0, 100, slo)  # predicted 110 ms, 5 ms
+    for _ in range(4):  # served at 0.5 on 100 tokens: prefill 10% slower than profiled, TPOT as profiled
+        profile.observe("0.5", 100, 121.0, 5.0)
+    assert profile.ttft_ms("0.5", 100) == pytest.approx(121.0) and profile.tpot_ms("0.5") == pytest.approx(5.0)
+    assert not sdk_feasible(profile, "0.5", 1.0, 100, slo)
+    assert profile.ttft_ms("0.5", 100, calibrated=False) == 110.0
+    # A relative target is a fraction of the full model as profiled, whatever the drift.
+    assert SLO.fraction(0.5, 0.5).absolute(profile, 100) == SLO(110.0, 5.0)
+    # Policies' views of the profile (dataclasses.replace) learn from the same requests; the file never holds them.
+    assert dataclasses.replace(profile, tlm=None).ttft_ms("0.5", 100) == pytest.approx(121.0)
+    assert "drift" not in profile.to_dict()
+    assert "drift" not in json.dumps(profile.to_dict())

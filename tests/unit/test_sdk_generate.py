@@ -94,6 +94,25 @@ def test_a_relative_slo_is_judged_against_the_prompt_as_given_not_the_compressed
         out.ttft_ms, out.tpot_ms)
 
 
+def test_generate_teaches_the_profile_what_its_decided_requests_measured(model, monkeypatch):
+    """Every request the SLO decided is observed at its level, on the tokens it served (the compressed
+    prompt); a forced level or no SLO teaches nothing (no decision to calibrate)."""
+    seen = []
+    monkeypatch.setattr(LatencyProfile, "observe",
+                        lambda self, level, tokens, prefill_ms, tpot_ms: seen.append((level, tokens, prefill_ms, tpot_ms)))
+    out = model.generate("hello", slo=SLO(tpot_ms=2.5), max_new_tokens=3)
+    assert [(level, tokens) for level, tokens, _, _ in seen] == [("0.5", out.prompt_tokens)]
+    prefill_ms, tpot_ms = seen[0][2:]
+    assert 0 < prefill_ms <= out.ttft_ms and tpot_ms == out.tpot_ms  # prefill alone: no tokenising or TLM
+    model.decide = lambda prompt, prompt_tokens, slo, profile, levels, kept_tokens: Decision("0.75", prompt_ratio=0.5)
+    model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
+    assert seen[-1][:2] == ("0.75", 4) == (out.level, out.prompt_tokens)
+    model.generate("hello", slo=SLO(tpot_ms=2.5), max_new_tokens=2, level="1.0")
+    model.generate("hello", max_new_tokens=2)
+    assert len(seen) == 2
+
+
 def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
     assert device_cli(["profile", str(package), "--public-key", key, "--prompt-lengths", "4", "12",

@@ -280,9 +280,10 @@ def test_the_tlm_is_skipped_where_its_own_time_is_all_that_misses_the_slo():
     assert not any(feasible(slow_tlm, m, r, 100, slo) for r in RATIOS for m in LEVELS)
     chosen = decide("Why?", 100, slo, slow_tlm, everything)
     assert (chosen.level, chosen.prompt_ratio, chosen.feasible) == ("0.5", 1.0, True) and tlm.asked == 0
+    assert not chosen.tlm_ran  # its time is not in this request's TTFT
     # With a TLM cheap enough to leave cells, it is asked; with no level meeting it at all, it makes the best effort.
     chosen = decide("Why?", 100, slo, _profile(tlm=TLMLatency(0.1, 0.0, 0.1, 0.0)), everything)
-    assert tlm.asked == 1 and chosen.feasible
+    assert tlm.asked == 1 and chosen.feasible and chosen.tlm_ran
     chosen = decide("Why?", 100, SLO(ttft_ms=1e-6), slow_tlm, everything)
     assert tlm.asked == 2 and not chosen.feasible and chosen.level == "0.25"
 
