@@ -410,6 +410,10 @@ class LabelWorker:
                         ctx.report("label: grid cells", done, total)
         return correct, margin
 
+    def kept_tokens(self, text: str) -> int:
+        """Tokens of a prompt's end kept whole, as the SDK counts them (no special tokens)."""
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
     def prompt_tokens(self, items: list[MCItem], shots: int = 0) -> torch.Tensor:
         """Tokens of each item's uncompressed prompt, its task's few-shot block included."""
         return torch.tensor([len(self.tokenizer(full_prompt(few_shot_block(item.task, shots), item.prompt()))["input_ids"])
@@ -436,12 +440,14 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
                "prompt_tokens": worker.prompt_tokens(items, settings.shots)}, str(tmp))
     tmp.replace(tensors_path)
     blocks = {task: few_shot_block(task, settings.shots) for task in settings.tasks}
-    # "prompt": the whole labelled prompt at ratio 1; "kept": its part no ratio compresses (with shots)
+    # "prompt": the whole labelled prompt at ratio 1; "kept": its part no ratio compresses (with shots),
+    # and its tokens, which the cost model serves whole at every ratio
+    kept = [f"Question: {it.question}\nAnswer:" if settings.shots or it.passage else "" for it in items]
     meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks, "shots": settings.shots,
             "few_shot": blocks,
             "items": [{"id": it.id, "task": it.task, "prompt": full_prompt(blocks[it.task], it.prompt()),
-                       "kept": f"Question: {it.question}\nAnswer:" if settings.shots or it.passage else ""}
-                      for it in items]}
+                       "kept": text, "kept_tokens": worker.kept_tokens(text)}
+                      for it, text in zip(items, kept, strict=True)]}
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode())
     return {"correctness": tensors_path, "meta": meta_path}
 
@@ -485,12 +491,12 @@ def slo_grid() -> list[tuple[float, float]]:
 
 
 def feasible_pairs(profile: LatencyProfile, ratios: list[float], levels: list[str], prompt_tokens: int,
-                   slo: tuple[float, float]) -> list[tuple[int, int]]:
+                   slo: tuple[float, float], kept_tokens: int = 0) -> list[tuple[int, int]]:
     from pipeline.latency import feasible
 
     target = SLO.fraction(*slo)
     return [(r, m) for r, ratio in enumerate(ratios) for m, level in enumerate(levels)
-            if feasible(profile, level, ratio, prompt_tokens, target)]
+            if feasible(profile, level, ratio, prompt_tokens, target, kept_tokens)]
 
 
 def choose_pair(correct: torch.Tensor, pairs: list[tuple[int, int]], rule: str,
@@ -511,7 +517,9 @@ def choose_pair(correct: torch.Tensor, pairs: list[tuple[int, int]], rule: str,
 
 def derive_labels(correct: torch.Tensor, prompt_tokens: torch.Tensor, meta: dict, profile: LatencyProfile,
                   slos: list[tuple[float, float]] | None = None, rules=("capable", "lightest")) -> dict:
-    """Per rule: rows {item, prompt, ttft, tpot, ratio, level}; an SLO with no feasible pair is skipped."""
+    """Per rule: rows {item, prompt, ttft, tpot, ratio, level}; an SLO with no feasible pair is skipped. The
+    cost model serves an item's kept end (its question) whole at every ratio, as the SDK does; shards
+    labelled before items carried `kept_tokens` count as compressing all of the prompt."""
     from pipeline.latency import cost_rank
 
     ratios, levels = meta["ratios"], meta["levels"]
@@ -519,15 +527,15 @@ def derive_labels(correct: torch.Tensor, prompt_tokens: torch.Tensor, meta: dict
     result = {rule: [] for rule in rules}
     infeasible = 0
     for i, item in enumerate(meta["items"]):
-        tokens = int(prompt_tokens[i])
+        tokens, kept = int(prompt_tokens[i]), item.get("kept_tokens", 0)
         for slo in slos:
-            pairs = feasible_pairs(profile, ratios, levels, tokens, slo)
+            pairs = feasible_pairs(profile, ratios, levels, tokens, slo, kept)
             if not pairs:
                 infeasible += 1
                 continue
             for rule in rules:
                 chosen = choose_pair(correct[i], pairs, rule,
-                                     lambda r, m, t=tokens: cost_rank(profile, levels[m], ratios[r], t))
+                                     lambda r, m, t=tokens, k=kept: cost_rank(profile, levels[m], ratios[r], t, k))
                 result[rule].append({"item": item["id"], "prompt": item["prompt"], "ttft": slo[0], "tpot": slo[1],
                                      "ratio": ratios[chosen[0]], "level": levels[chosen[1]],
                                      "correct": bool(correct[i, chosen[0], chosen[1]])})

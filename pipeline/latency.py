@@ -32,6 +32,7 @@ from device_sdk.latency import (  # noqa: F401 (EnergyProfile, LevelLatency, fea
     LevelLatency,
     feasible,
     measure_points,
+    predicted_ttft_ms,
 )
 from device_sdk.runtime import ElasticModel
 from pipeline.elastify import active_params
@@ -210,10 +211,10 @@ def request_cost(cost: LevelCost, host: dict[str, float], energy: EnergyProfile,
 # --------------------------------------------------------------------------- feasibility (used by label, bench)
 
 
-def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int) -> float:
-    """A scalar for 'lighter': predicted TTFT plus one TPOT."""
-    kept = max(1, round(prompt_ratio * prompt_tokens))
-    return profile.ttft_ms(level, kept) + profile.tpot_ms(level)
+def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_tokens: int,
+              kept_tokens: int = 0) -> float:
+    """A scalar for 'lighter': predicted TTFT (the kept end served whole) plus one TPOT."""
+    return predicted_ttft_ms(profile, level, prompt_ratio, prompt_tokens, kept_tokens) + profile.tpot_ms(level)
 
 
 # --------------------------------------------------------------------------- the stage

@@ -184,6 +184,12 @@ def test_label_derive_picks_hand_computed_labels():
     assert rows("lightest") == [("a", 0.6, 0.7, 1.0, "0.5", True), ("a", 0.6, 1.0, 1.0, "0.5", True),
                                 ("b", 0.6, 0.7, 1.0, "0.5", False), ("b", 0.6, 1.0, 0.5, "1.0", False)]
     assert labels["infeasible_slos"] == 2
+    # Item a's last 40 tokens (its question) are served whole: at ratio 0.5 that is 40 + 30 = 70 tokens, so
+    # level 1.0 takes 80 ms and leaves (0.6, 1.0); level 0.5 at ratio 0.5 takes 40 ms.
+    meta["items"][0]["kept_tokens"] = 40
+    labels = derive_labels(correct, torch.tensor([100, 100]), meta, profile, slos=[(0.6, 1.0)])
+    assert [(r["item"], r["ratio"], r["level"]) for r in labels["rules"]["capable"]] == [("a", 1.0, "0.5"),
+                                                                                        ("b", 0.5, "1.0")]
 
 
 def test_label_derived_labels_match_a_brute_force_over_the_grid():
@@ -198,29 +204,30 @@ def test_label_derived_labels_match_a_brute_force_over_the_grid():
     ratios, levels = meta["ratios"], meta["levels"]
     full = levels_latency[max(levels, key=float)]
 
-    def prefill(level, ratio, n):
+    def prefill(level, ratio, n, kept):  # the question (kept) is served whole, the rest at the ratio
         own = levels_latency[level]
-        return own["ttft_base_ms"] + own["ttft_per_token_ms"] * max(1, round(ratio * n))
+        return own["ttft_base_ms"] + own["ttft_per_token_ms"] * max(1, kept + round(ratio * (n - kept)))
 
-    def ttft_of(level, ratio, n):  # what feasibility judges: the TLM's time (if measured), then prefill
-        first = prefill(level, ratio, n)
+    def ttft_of(level, ratio, n, kept):  # what feasibility judges: the TLM's time (if measured), then prefill
+        first = prefill(level, ratio, n, kept)
         if overhead:
             first += overhead["decide_base_ms"] + overhead["decide_per_token_ms"] * n
             if ratio < 1.0:
-                first += overhead["compress_base_ms"] + overhead["compress_per_token_ms"] * n
+                first += overhead["compress_base_ms"] + overhead["compress_per_token_ms"] * (n - kept)
         return first
 
     expected = {"capable": [], "lightest": []}
     infeasible = 0
     for i, item in enumerate(meta["items"]):
-        n = int(tokens[i])
+        n, kept = int(tokens[i]), item["kept_tokens"]
         for slo_ttft, slo_tpot in slo_grid():
             ttft_limit = slo_ttft * (full["ttft_base_ms"] + full["ttft_per_token_ms"] * n)
             tpot_limit = slo_tpot * full["tpot_ms"]
-            # "lightest" ranks by the level's prefill on the kept tokens plus one TPOT
-            grid = [(ratio, level, prefill(level, ratio, n) + levels_latency[level]["tpot_ms"], bool(correct[i, r, m]))
+            # "lightest" ranks by the TTFT feasibility judges plus one TPOT
+            grid = [(ratio, level, ttft_of(level, ratio, n, kept) + levels_latency[level]["tpot_ms"],
+                     bool(correct[i, r, m]))
                     for r, ratio in enumerate(ratios) for m, level in enumerate(levels)
-                    if ttft_of(level, ratio, n) <= ttft_limit and levels_latency[level]["tpot_ms"] <= tpot_limit]
+                    if ttft_of(level, ratio, n, kept) <= ttft_limit and levels_latency[level]["tpot_ms"] <= tpot_limit]
             if not grid:
                 infeasible += 1
                 continue
