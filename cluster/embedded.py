@@ -43,13 +43,13 @@ def is_loopback_address(address: str) -> bool:
     return host in (LOOPBACK, "localhost", "::1")
 
 
-def connect_ray(settings: Settings, num_cpus: int | None = None) -> None:
+def connect_ray(settings: Settings, num_cpus: int | None = None) -> bool:
     """Join the Ray cluster at ELASTIFY_RAY_ADDRESS, or start a local one with no dashboard, bound to
-    127.0.0.1 only (nothing of it is reachable from the network)."""
+    127.0.0.1 only (nothing of it is reachable from the network). False: this process had already joined."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if settings.ray_address:
         if is_loopback_address(settings.ray_address):  # a head bound to loopback is reached on loopback
@@ -59,19 +59,26 @@ def connect_ray(settings: Settings, num_cpus: int | None = None) -> None:
         keep_ray_on_loopback()
         ray.init(include_dashboard=False, num_cpus=num_cpus, logging_level=logging.WARNING, log_to_driver=False,
                  _node_ip_address=LOOPBACK)
+    return True
 
 
 @contextlib.contextmanager
 def running_service(settings: Settings, registry: Registry) -> Iterator[Scheduler]:
-    """Migrate the database, make the signing key on first start, join Ray, start a scheduler of `registry`."""
+    """Migrate the database, make the signing key on first start, join Ray, start a scheduler of `registry`.
+    On exit the scheduler closes and Ray is left if this call joined it: the process is not left holding a
+    cluster whose nodes then decide what its next API accepts (`cluster.capacity.current_capacity`)."""
     settings.home.mkdir(parents=True, exist_ok=True)
     migrate(settings.database_url)
     if is_sqlite(settings.database_url) and not os.environ.get("ELASTIFY_SIGNING_KEY"):
         settings.ensure_signing_key()
-    connect_ray(settings)
+    joined = connect_ray(settings)
     scheduler = Scheduler(settings, registry).start()
     log.info("scheduler %s: database %s, store %s", scheduler.owner, settings.database_url, settings.store_url)
     try:
         yield scheduler
     finally:
         scheduler.close()
+        if joined:
+            import ray
+
+            ray.shutdown()
