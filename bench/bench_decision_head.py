@@ -51,19 +51,42 @@ def latency_and_score(package: Path, out: Path) -> tuple[Path, Path]:
 
 
 def sweep(package: Path, score: Path, out: Path, tasks: list[str], start: int, per_task: int, ratios, levels,
-          shots: int = 0):
-    """Label shards per task (items [start, start + per_task)), reused from `out` when there; zero-shot
-    prompts unless `shots` (the label stage's few-shot block)."""
-    shards = {}
-    for index, task in enumerate(tasks):
-        work = out / (f"{task}-{start}" + (f"-{shots}shot" if shots else ""))
-        if not (work / "correctness.json").is_file():
-            settings = label.LabelSettings(tasks=[task], start=start, stop=start + per_task, per_task=None,
-                                           ratios=ratios, levels=levels, shots=shots)
-            label.run({"package": package, "tlm": score}, settings, StageContext(work_dir=work))
-        shards[f"correctness.{index}"] = work / "correctness.safetensors"
-        shards[f"meta.{index}"] = work / "correctness.json"
+          shots: int = 0, workers: int = 1, chunk: int = 45):
+    """Label shards for items [start, start + per_task) of every task, at most `chunk` items a shard, each
+    shard reused from `out` when there (its directory names its range); zero-shot prompts unless `shots`
+    (the label stage's few-shot block). With `workers` > 1 the missing shards run as Ray tasks of one CPU
+    each, as the service fans the label stage out. Returns the `correctness.<k>`/`meta.<k>` inputs
+    label-derive reads, shards in task order then item order."""
+    shards, missing = {}, []
+    for task in tasks:
+        for first in range(start, start + per_task, chunk):
+            stop = min(first + chunk, start + per_task)
+            work = out / (f"{task}-{first}-{stop}" + (f"-{shots}shot" if shots else ""))
+            if not (work / "correctness.json").is_file():
+                settings = label.LabelSettings(tasks=[task], start=first, stop=stop, per_task=None,
+                                               ratios=ratios, levels=levels, shots=shots)
+                missing.append((settings, work))
+            k = len(shards) // 2
+            shards[f"correctness.{k}"] = work / "correctness.safetensors"
+            shards[f"meta.{k}"] = work / "correctness.json"
+    if workers > 1 and len(missing) > 1:
+        import ray
+
+        ray.init(num_cpus=workers, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False, ignore_reinit_error=True)
+        labelled = ray.remote(num_cpus=1, max_retries=0)(_label_shard)
+        ray.get([labelled.remote(package, score, settings, work) for settings, work in missing])
+    else:
+        for settings, work in missing:
+            _label_shard(package, score, settings, work)
     return shards
+
+
+def _label_shard(package: Path, score: Path, settings, work: Path) -> None:
+    started = time.perf_counter()
+    label.run({"package": package, "tlm": score}, settings, StageContext(work_dir=work))
+    print(f"labelled {settings.tasks[0]} [{settings.start}, {settings.stop}) in {time.perf_counter() - started:.0f} s",
+          flush=True)
 
 
 def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
@@ -71,13 +94,14 @@ def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
                                                                 label.DeriveSettings(), StageContext(work_dir=out))["labels"])
 
 
-def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperature: float) -> tuple[Path, float]:
+def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperature: float,
+          steps: int = 100) -> tuple[Path, float]:
     """(trained TLM dir, the stage's wall seconds); a finished run under `out` is reused."""
     timing = out / "wall_seconds.json"
     if timing.is_file():
         return out / "tlm", json.loads(timing.read_text())["seconds"]
     started = time.perf_counter()
-    settings = tlm.DecisionSettings(head=head, steps=100, batch_size=16, seed=seed, margin_temperature=temperature)
+    settings = tlm.DecisionSettings(head=head, steps=steps, batch_size=16, seed=seed, margin_temperature=temperature)
     done = tlm.run_decision({"tlm": score, "labels": labels}, settings, StageContext(work_dir=out))["tlm"]
     seconds = time.perf_counter() - started
     timing.write_text(json.dumps({"seconds": seconds}))

@@ -1,9 +1,10 @@
 """ElastiLM's end-to-end trace on SmolLM2: requests in six SLO classes served by the device SDK per policy.
 
 The chain's stage code runs as in bench_decision_head.py (its functions, its cached outputs under
---out): latency → tlm-score → label → label-derive → tlm-decision for each head, held-in items 0..
-per task; the held-out items (--test-ranges, from item 300) are labelled on the same grid and are
-asserted disjoint from the held-in ones.
+--out): latency → tlm-score → label → label-derive → tlm-decision for each head (--decision-steps),
+held-in items 0..--train-items per task (200: 1,200 items over six tasks), labelled in shards of at most
+45 items run as Ray tasks (--label-workers side by side); the held-out items (--test-ranges, from item
+300) are labelled on the same grid and are asserted disjoint from the held-in ones.
 
 Trace. `pipeline.trace.make_trace`: --requests requests in ElastiLM's six SLO classes (TTFT, TPOT
 fractions) (1, 1), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5); class k is tied to task
@@ -21,7 +22,9 @@ end-of-sequence token is switched off so every request decodes that many: TPOT n
 not scored). SLO targets are absolute: the fractions times the full model's TTFT and TPOT for that same
 prompt on this machine (full model, full prompt, no TLM; the median of --full-runs generate calls per
 item). The SDK decides against this machine's device profile (`measure_profile`, measured at the start,
-plus each TLM's own time) with the TLM decision and compression inside the measured TTFT. A violation is
+plus each TLM's own time) with the TLM decision and compression inside the measured TTFT; each policy's
+copy of the profile recalibrates from the requests it serves (`Drift`, --drift-quantile; ShortGPT's depth
+profile the same way), as a device's would. A violation is
 a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio, level) cell:
 
   ours (utility)     the utility head via the SDK's tlm_decider: the feasible cell most likely right
@@ -52,13 +55,16 @@ respects the cost model, over the same requests. Violations are counted on this 
 run: they mean something only on a quiet machine; the load average is in the JSON.
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
-                                                        # the committed run (~55 min once labelled)
+                                                        # the committed run (~50 min once labelled;
+                                                        # labelling 1,200 items ~50 min on two cores)
   nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import math
 import os
@@ -74,6 +80,7 @@ from device_sdk.format import CloneProfile
 from device_sdk.latency import (
     SLO,
     Decision,
+    Drift,
     LatencyProfile,
     measure_level,
     measure_profile,
@@ -159,7 +166,9 @@ def main() -> None:
     parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq,siqa,boolq")
     parser.add_argument("--ratios", default="0.5,0.7,1.0")
     parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
-    parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
+    parser.add_argument("--train-items", type=int, default=200, help="per task, held in (6 × 200 = 1,200)")
+    parser.add_argument("--decision-steps", type=int, default=300, help="each decision head's training steps (batch 16)")
+    parser.add_argument("--label-workers", type=int, default=2, help="label shards side by side, on Ray")
     parser.add_argument("--test-ranges", default="300:330", help="held-out item ranges per task")
     parser.add_argument("--shots", type=int, default=5,
                         help="the label stage's few-shot block (LabelSettings.shots); 0: zero-shot prompts")
@@ -170,6 +179,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=6)
     parser.add_argument("--full-runs", type=int, default=3, help="generate calls of the full model per item")
     parser.add_argument("--depths", default="0.4,0.5,0.6,0.7,0.8,0.9,1.0", help="ShortGPT: kept layer fractions")
+    parser.add_argument("--drift-quantile", default="0.9",
+                        help="every policy's profile scales predictions by this quantile of the measured ÷ predicted "
+                             "ratios of the requests it served (device_sdk.latency.Drift); 'none': the profile as measured")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="4 held-out items per task, 48 requests")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
@@ -192,21 +204,24 @@ def main() -> None:
 
     # ---- the chain's stages (cached under --out), held-out labels, the TLMs
     lat, score = latency_and_score(package, out)
-    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels, args.shots)
+    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels, args.shots,
+                         args.label_workers)
     test_pairs = []
     for span in args.test_ranges.split(","):
         start, stop = (int(x) for x in span.split(":"))
-        shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels, args.shots)
-        test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(tasks))]
+        shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels, args.shots,
+                       args.label_workers)
+        test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(shards) // 2)]
     shot_tag = f"-{args.shots}shot" if args.shots else ""  # bench_decision_head's zero-shot outputs are reused
-    labels = derive(package, lat, train_shards, out / f"derive{shot_tag}")
+    held_in_tag = f"{shot_tag}-{args.train_items}items"
+    labels = derive(package, lat, train_shards, out / f"derive{held_in_tag}")
     heads = {name: TLM.load(train(score, labels, head, 0,
-                                  out / f"decision-{head}-{args.margin_temperature}-0{shot_tag}",
-                                  args.margin_temperature)[0])
+                                  out / f"decision-{head}-{args.margin_temperature}-0{held_in_tag}-{args.decision_steps}steps",
+                                  args.margin_temperature, args.decision_steps)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
     correct, tokens, meta = label.load_shards(test_pairs)
     assert (meta["ratios"], meta["levels"]) == (ratios, levels)
-    held_in = {item["id"] for k in range(len(tasks))
+    held_in = {item["id"] for k in range(len(train_shards) // 2)
                for item in json.loads(Path(train_shards[f"meta.{k}"]).read_text())["items"]}
     row = {item["id"]: i for i, item in enumerate(meta["items"])}
     if args.smoke:
@@ -231,7 +246,8 @@ def main() -> None:
     for name, profile in depth_profiles.items():
         model.set_widths(profile.attn_units, profile.mlp_units)
         depth_latency[name] = measure_level(model, PROFILE_LENGTHS, decode_tokens=16, repeats=5)
-    depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency)
+    quantile = None if args.drift_quantile == "none" else float(args.drift_quantile)
+    depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency, drift=Drift(quantile))
     model.profiles = lambda: depth_profiles  # served as CLONE profiles are
     items_by_id = {}
     for span in args.test_ranges.split(","):
@@ -266,16 +282,18 @@ def main() -> None:
             name = list(depth_profiles)[d]
             served = timed_generate(model, prompts[item], args.new_tokens, slo=slo, level=levels[-1], profile=name)
             served.pop("decision")
+            predicted = [depth_device.ttft_ms(name, n_tokens[item]), depth_device.tpot_ms(name)]
+            depth_device.observe(name, n_tokens[item], served["ttft_ms"], served["tpot_ms"])  # as the SDK does a level's
             return served | {"cell": name, "feasible": met, "correct": bool(depth_correct[depth_row[item], d]),
-                             "predicted_ms": [depth_device.ttft_ms(name, n_tokens[item]), depth_device.tpot_ms(name)]}
+                             "predicted_ms": predicted}
+        seen = dataclasses.replace(model.latency_profile, drift=copy.deepcopy(model.latency_profile.drift))
         served = timed_generate(model, prompts[item], args.new_tokens, slo=slo, keep=kept[item])
         decision = served.pop("decision")
         r, m = ratios.index(decision.prompt_ratio), levels.index(decision.level)
-        paid = policy_profile(model.latency_profile, policy.startswith("ours"), model.compress is not None)
-        return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible,
-                         "correct": bool(correct[row[item], r, m]),
-                         "predicted_ms": [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item], n_kept[item]),
-                                          paid.tpot_ms(levels[m])]}
+        paid = policy_profile(seen, decision.tlm_ran, model.compress is not None)  # as the decision saw it
+        predicted = [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item], n_kept[item]), paid.tpot_ms(levels[m])]
+        return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible, "tlm_ran": decision.tlm_ran,
+                         "correct": bool(correct[row[item], r, m]), "predicted_ms": predicted}
 
     setups = {
         "ours (utility)": (heads["ours (utility)"], tlm_decider(heads["ours (utility)"]), True),
@@ -286,7 +304,8 @@ def main() -> None:
         "ShortGPT": (None, None, False),
     }
     profiles = {policy: LatencyProfile(device.weight_format, device.threads, device.levels,
-                                       tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"])) for policy in SERVED}
+                                       tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]), drift=Drift(quantile))
+                for policy in SERVED}
 
     def use(policy: str) -> None:
         head, decide, compresses = setups[policy]
@@ -356,6 +375,10 @@ def main() -> None:
               "device_profile": {m: vars(v) for m, v in device.levels.items()},
               "tlm_latency": {k: vars(v) for k, v in tlm_latency.items()},
               "shortgpt_profile": {m: vars(v) for m, v in depth_latency.items()},
+              "drift_quantile": quantile,
+              "drift_factors_at_end": {policy: {m: [profile.drift.factor("ttft", m), profile.drift.factor("tpot", m)]
+                                                for m in profile.levels}
+                                       for policy, profile in [*profiles.items(), ("ShortGPT", depth_device)]},
               "alphas": {str(a): r for a, r in results.items()},
               "served_alpha_0": served}  # per policy, per request of the α = 0 trace, in trace order (columns)
     write_report(args.results, report)
