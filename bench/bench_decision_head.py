@@ -13,12 +13,20 @@ classes and seeds), with its standard error over items. The decision stage's wal
 reported per head (seed 0) at the demo's decision settings; the labels here are 80 items where the
 demo's are 20, which only adds the utility head's one trunk pass per prompt. Raw JSON: bench/results/decision_head.json.
 
+With several --train-items (per task, e.g. 20,200) every head is trained on each held-in prefix and
+the paired difference larger − smaller per head says what labelling at scale buys; --shots 5 uses the
+label stage's five-shot prompts (bench_trace's tasks, shards and held-out items).
+
   nice -n 5 .venv/bin/python bench/bench_decision_head.py --package /tmp/bench-elastilm/package --out /tmp/dh
+  nice -n 5 .venv/bin/python bench/bench_decision_head.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out \
+      --tasks arc_easy,obqa,piqa,sciq,siqa,boolq --shots 5 --train-items 20,200 --test-items 30 \
+      --heads slo_token,utility --slo-token-seeds 1 --results bench/results/decision_head_scale.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -26,6 +34,7 @@ from pathlib import Path
 
 import torch
 from common import ROOT, interleaved_medians, print_table
+from transformers import AutoTokenizer
 
 from device_sdk.latency import SLO
 from device_sdk.tlm import best_feasible_pair, best_utility_cell
@@ -108,12 +117,13 @@ def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperatur
     return done, seconds
 
 
-def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, levels, profile) -> tuple[int, int]:
-    """The cell the SDK's rule picks under the cost model (grid indices)."""
+def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, levels, profile,
+           kept: int = 0) -> tuple[int, int]:
+    """The cell the SDK's rule picks under the cost model (grid indices), the last `kept` tokens served whole."""
     target = SLO.fraction(*slo)
 
     def ok(r, m):
-        return latency.feasible(profile, m, r, tokens, target)
+        return latency.feasible(profile, m, r, tokens, target, kept)
 
     if head == "slo_token":
         # The head scores its own grid (every ratio and level it was built for); only the labelled
@@ -125,8 +135,17 @@ def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, l
             r, m = min(ratios), min(levels, key=float)
     else:
         r, m, _ = best_utility_cell(tlm.utility(model, tokenizer, prompt), ratios, levels, ok,
-                                    lambda r, m: latency.cost_rank(profile, m, r, tokens))
+                                    lambda r, m: latency.cost_rank(profile, m, r, tokens, kept))
     return ratios.index(r), levels.index(m)
+
+
+def kept_tokens(package: Path, items: list[dict]) -> list[int]:
+    """Each item's kept end (its question, served whole) in tokens, as the label stage records it; counted
+    here the same way for shards labelled before it did."""
+    if all("kept_tokens" in item for item in items):
+        return [item["kept_tokens"] for item in items]
+    tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
+    return [item.get("kept_tokens", label.count_kept_tokens(tokenizer, item.get("kept", ""))) for item in items]
 
 
 def mean_se(values: list[float]) -> tuple[float, float]:
@@ -140,7 +159,10 @@ def main() -> None:
     parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq")
     parser.add_argument("--ratios", default="0.5,0.7,1.0", help="the demo's")
     parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
-    parser.add_argument("--train-items", type=int, default=20, help="per task, held in")
+    parser.add_argument("--train-items", default="20", help="per task, held in; a comma list compares sizes")
+    parser.add_argument("--shots", type=int, default=0, help="the label stage's few-shot block (0: zero-shot)")
+    parser.add_argument("--steps", type=int, default=100, help="decision-stage steps (batch 16), the demo's")
+    parser.add_argument("--label-workers", type=int, default=1, help="label shards side by side, on Ray")
     parser.add_argument("--test-items", type=int, default=25, help="per task, held out (from item 300)")
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--slo-token-seeds", type=int, default=None,
@@ -155,33 +177,43 @@ def main() -> None:
     out, package = args.out, args.package
     tasks, ratios = args.tasks.split(","), [float(x) for x in args.ratios.split(",")]
     levels = args.levels.split(",")
+    sizes = [int(x) for x in args.train_items.split(",")]
+    shot_tag = f"-{args.shots}shot" if args.shots else ""
     lat, score = latency_and_score(package, out)
-    train_shards = sweep(package, score, out / "label", tasks, 0, args.train_items, ratios, levels)
-    test_shards = sweep(package, score, out / "label", tasks, 300, args.test_items, ratios, levels)
-    labels = derive(package, lat, train_shards, out / "derive")
+    test_shards = sweep(package, score, out / "label", tasks, 300, args.test_items, ratios, levels, args.shots,
+                        args.label_workers)
+    labels = {size: derive(package, lat, sweep(package, score, out / "label", tasks, 0, size, ratios, levels,
+                                               args.shots, args.label_workers),
+                           out / f"derive{shot_tag}-{size}items")
+              for size in sizes}
     keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
     correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
                                                for k in keys])
     profile = label.load_profile({"latency": lat})
+    kept = kept_tokens(package, meta["items"])
     heads = {"slo_token": ("slo_token", args.margin_temperature), "utility": ("utility", args.margin_temperature),
              "utility T=0 (0/1 labels)": ("utility", 0.0)}
     heads = {name: heads[name] for name in args.heads.split(",")}
+    # row name -> (head name, head, temperature, held-in items per task); several sizes name rows by their items
+    heads = {(f"{name} @{size * len(tasks)}" if len(sizes) > 1 else name): (name, head, temperature, size)
+             for size in sizes for name, (head, temperature) in heads.items()}
     # per head: [item] accuracy averaged over classes and seeds
     per_item = {name: torch.zeros(len(meta["items"])) for name in heads}
     per_class = {name: {str(slo): 0.0 for slo in SLO_CLASSES} for name in heads}
     stage_seconds = {}  # the decision stage's wall time per head (seed 0), at the demo's 100 steps × 16
     seeds = {name: args.slo_token_seeds or args.seeds if head == "slo_token" else args.seeds
-             for name, (head, _) in heads.items()}
-    for name, (head, temperature) in heads.items():
+             for name, (_, head, _, _) in heads.items()}
+    for name, (_, head, temperature, size) in heads.items():
         for seed in range(seeds[name]):
-            trained, seconds = train(score, labels, head, seed, out / f"decision-{head}-{temperature}-{seed}",
-                                     temperature)
+            trained, seconds = train(score, labels[size], head, seed,
+                                     out / f"decision-{head}-{temperature}-{seed}{shot_tag}-{size}items-{args.steps}steps",
+                                     temperature, args.steps)
             stage_seconds.setdefault(name, seconds)
             model, tokenizer = tlm.load_tlm(trained)
             for slo in SLO_CLASSES:
                 for i, item in enumerate(meta["items"]):
                     r, m = choose(head, model, tokenizer, item["prompt"], int(tokens[i]), slo, meta["ratios"],
-                                  meta["levels"], profile)
+                                  meta["levels"], profile, kept[i])
                     hit = float(correct[i, r, m])
                     per_item[name][i] += hit / (seeds[name] * len(SLO_CLASSES))
                     per_class[name][str(slo)] += hit / (seeds[name] * len(meta["items"]))
@@ -191,7 +223,7 @@ def main() -> None:
         per_class[name] = {str(slo): 0.0 for slo in SLO_CLASSES}
     for slo in SLO_CLASSES:
         for i in range(len(meta["items"])):
-            cells = label.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo)
+            cells = label.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo, kept[i])
             hits = [float(correct[i, r, m]) for r, m in cells] or [float(correct[i, 0, 0])]
             for name, value in (("random feasible", statistics.fmean(hits)), ("oracle", max(hits))):
                 per_item[name][i] += value / len(SLO_CLASSES)
@@ -201,7 +233,7 @@ def main() -> None:
     # times above ran minutes apart on a shared machine): median of 3, after 1 warm-up each.
     def short_stage(head):
         settings = tlm.DecisionSettings(head=head, steps=10, batch_size=16, margin_temperature=args.margin_temperature)
-        return lambda: tlm.run_decision({"tlm": score, "labels": labels}, settings,
+        return lambda: tlm.run_decision({"tlm": score, "labels": labels[sizes[0]]}, settings,
                                         StageContext(work_dir=out / f"short-{head}"))
 
     short = interleaved_medians({head: short_stage(head) for head in ("slo_token", "utility")}, repeats=3, warmup=1)
@@ -217,16 +249,24 @@ def main() -> None:
         rows.append([name, f"{mean:.3f} ± {se:.3f}", *(f"{per_class[name][str(s)]:.3f}" for s in SLO_CLASSES)])
     print_table(f"Held-out accuracy under the SLO classes ({n} items; ± SE over items; seeds {seeds})",
                 ["head", "overall", *map(str, SLO_CLASSES)], rows)
+    pairs = []  # (row, rival): the utility heads against the SLO-token head and random feasible, per size
+    for size in sizes:
+        rows = {base: name for name, (base, _, _, s) in heads.items() if s == size}
+        pairs += [(row, rival) for rival in (rows.get("slo_token"), "random feasible") if rival
+                  for base, row in rows.items() if base != "slo_token"]
+    for small, large in itertools.pairwise(sizes):  # and what labelling more items buys each head
+        pairs += [(name, rival) for name, (base, _, _, s) in heads.items() if s == large
+                  for rival, (other, _, _, s2) in heads.items() if s2 == small and other == base]
     paired = {}
-    for rival in ("slo_token", "random feasible"):
-        for name in [h for h in heads if h != "slo_token" and h != rival]:
-            mean, se = mean_se((per_item[name] - per_item[rival]).tolist())
-            paired[f"{name} − {rival}"] = {"mean": mean, "se": se}
-            print(f"paired {name} − {rival}: {mean:+.3f} ± {se:.3f} (SE, n={n})")
+    for name, rival in pairs:
+        mean, se = mean_se((per_item[name] - per_item[rival]).tolist())
+        paired[f"{name} − {rival}"] = {"mean": mean, "se": se}
+        print(f"paired {name} − {rival}: {mean:+.3f} ± {se:.3f} (SE, n={n})")
     print("decision stage wall time (100 steps × 16, seed 0): "
           + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stage_seconds.items()))
     results = {"held_out_items": n, "tasks": tasks, "ratios": ratios, "levels": levels, "seeds": seeds,
-               "train_items_per_task": args.train_items, "test_items_per_task": args.test_items,
+               "train_items_per_task": sizes, "test_items_per_task": args.test_items, "shots": args.shots,
+               "decision_steps": args.steps,
                "margin_temperature": args.margin_temperature, "threads": args.threads,
                "heads": summary, "paired": paired, "decision_stage_seconds": stage_seconds,
                "decision_stage_seconds_10_steps_interleaved": short,

@@ -410,14 +410,15 @@ class LabelWorker:
                         ctx.report("label: grid cells", done, total)
         return correct, margin
 
-    def kept_tokens(self, text: str) -> int:
-        """Tokens of a prompt's end kept whole, as the SDK counts them (no special tokens)."""
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-
     def prompt_tokens(self, items: list[MCItem], shots: int = 0) -> torch.Tensor:
         """Tokens of each item's uncompressed prompt, its task's few-shot block included."""
         return torch.tensor([len(self.tokenizer(full_prompt(few_shot_block(item.task, shots), item.prompt()))["input_ids"])
                              for item in items])
+
+
+def count_kept_tokens(tokenizer, text: str) -> int:
+    """Tokens of a prompt's end kept whole, as the SDK counts them (no special tokens)."""
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
 def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings, out_dir: Path,
@@ -446,7 +447,7 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
     meta = {"ratios": settings.ratios, "levels": levels, "tasks": settings.tasks, "shots": settings.shots,
             "few_shot": blocks,
             "items": [{"id": it.id, "task": it.task, "prompt": full_prompt(blocks[it.task], it.prompt()),
-                       "kept": text, "kept_tokens": worker.kept_tokens(text)}
+                       "kept": text, "kept_tokens": count_kept_tokens(worker.tokenizer, text)}
                       for it, text in zip(items, kept, strict=True)]}
     atomic_write_bytes(meta_path, json.dumps(meta, indent=2).encode())
     return {"correctness": tensors_path, "meta": meta_path}
