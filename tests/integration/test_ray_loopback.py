@@ -63,7 +63,8 @@ from cluster.embedded import connect_ray
 from cluster.settings import Settings
 from tests.integration.test_ray_loopback import listeners
 
-connect_ray(Settings(home=sys.argv[1]), num_cpus=1)
+assert connect_ray(Settings(home=sys.argv[1]), num_cpus=1) is True  # started here
+assert connect_ray(Settings(home=sys.argv[1])) is False  # already joined: nothing to leave later
 ray.get(ray.remote(lambda: 1).remote())  # a worker is up too
 time.sleep(3)  # the agents bind a moment after start
 session = ray._private.worker.global_worker.node.session_name

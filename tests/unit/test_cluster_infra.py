@@ -35,3 +35,31 @@ def test_env_example_names_only_settings_the_code_reads():
     example = {line.split("=", 1)[0] for line in (INFRA / "elastify.env.example").read_text().splitlines()
                if line and not line.startswith("#")}
     assert example == read
+
+
+def test_the_embedded_service_leaves_only_the_ray_it_started(tmp_path, monkeypatch):
+    """Ray that `running_service` started is shut down with it; a Ray the process had joined before is kept."""
+    import ray
+
+    from cluster import embedded
+    from cluster.settings import Settings
+
+    class Idle:  # a scheduler that only starts and closes
+        def __init__(self, settings, registry):
+            self.owner = "test"
+
+        def start(self):
+            return self
+
+        def close(self):
+            pass
+
+    shutdowns = []
+    monkeypatch.setattr(embedded, "Scheduler", Idle)
+    monkeypatch.setattr(ray, "shutdown", lambda: shutdowns.append(True))
+    settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
+    for started_here in (True, False):
+        monkeypatch.setattr(embedded, "connect_ray", lambda settings, num_cpus=None, joined=started_here: joined)
+        with embedded.running_service(settings, registry=None):
+            pass
+    assert shutdowns == [True]
