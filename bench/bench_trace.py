@@ -2,7 +2,7 @@
 
 The chain's stage code runs as in bench_decision_head.py (its functions, its cached outputs under
 --out): latency → tlm-score → label → label-derive → tlm-decision for each head (--decision-steps),
-held-in items 0..--train-items per task (200: 1,200 items over six tasks), labelled in shards of at most
+held-in items 0..--train-items per task (180: 1,080 items over six tasks), labelled in shards of at most
 45 items run as Ray tasks (--label-workers side by side); the held-out items (--test-ranges, from item
 300) are labelled on the same grid and are asserted disjoint from the held-in ones.
 
@@ -56,7 +56,7 @@ run: they mean something only on a quiet machine; the load average is in the JSO
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
                                                         # the committed run (~50 min once labelled;
-                                                        # labelling 1,200 items ~50 min on two cores)
+                                                        # labelling the 1,080 held-in items ~1 h on two cores)
   nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
 """
 
@@ -166,7 +166,8 @@ def main() -> None:
     parser.add_argument("--tasks", default="arc_easy,obqa,piqa,sciq,siqa,boolq")
     parser.add_argument("--ratios", default="0.5,0.7,1.0")
     parser.add_argument("--levels", default="0.3,0.5,0.7,0.9,1.0")
-    parser.add_argument("--train-items", type=int, default=200, help="per task, held in (6 × 200 = 1,200)")
+    parser.add_argument("--train-items", type=int, default=180,
+                        help="per task, held in (6 × 180 = 1,080; with the 180 held out, 1,260 labelled)")
     parser.add_argument("--decision-steps", type=int, default=300, help="each decision head's training steps (batch 16)")
     parser.add_argument("--label-workers", type=int, default=2, help="label shards side by side, on Ray")
     parser.add_argument("--test-ranges", default="300:330", help="held-out item ranges per task")
