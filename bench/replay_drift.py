@@ -1,0 +1,87 @@
+"""What the SDK's profile recalibration (`device_sdk.latency.Drift`) would have said about a served trace.
+
+Replays a bench_trace.py run's per-request rows (its raw JSON, `served_alpha_0`) in the order they were
+served (item by item, as bench_trace serves them) through a fresh `Drift` per policy: before each
+request, would the recalibrated prediction of the cell it was served at still meet the request's
+target? Then the request's measured TTFT and TPOT are observed, as the SDK does after serving. For
+the requests whose profile saw a feasible cell this counts the violations the recalibration would have
+caught (the cell rejected), those it lets through, and the requests that met their SLO but whose cell
+it would have rejected (a lighter cell would have been served; its accuracy is not known here). A
+counterfactual on one cell, not a served run: the policy would have picked another cell, and what
+that cell measures is not in the rows. Only the policies whose rows' `predicted_ms` hold exactly the
+profile's prediction are replayed (LLM-Pruner, LLMLingua-2 style, ShortGPT; the runs before
+`Decision.tlm_ran` added the TLM's decision time to ours even where it was skipped).
+
+  .venv/bin/python bench/replay_drift.py --trace bench/results/trace.json --label-dir /tmp/dh-bench/out/label
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from common import ROOT, print_table
+
+from device_sdk.latency import SLO, Drift
+
+REPLAYED = ["LLM-Pruner", "LLMLingua-2", "ShortGPT"]
+
+
+def replay(rows: dict, order: list[int], quantile: float) -> dict:
+    drift = Drift(quantile=quantile)
+    counts = {"feasible": 0, "violations": 0, "caught": 0, "let_through": 0, "met_but_rejected": 0,
+              "met_and_accepted": 0}
+    for j in order:
+        cell = str(rows["level"][j] or rows["cell"][j])  # ShortGPT's rows name their depth as the cell
+        predicted_ttft, predicted_tpot = rows["predicted_ms"][j]
+        ttft, tpot = rows["ttft_ms"][j], rows["tpot_ms"][j]
+        target = SLO(*rows["target"][j])
+        accepted = target.met(predicted_ttft * drift.factor("ttft", cell), predicted_tpot * drift.factor("tpot", cell))
+        if rows["feasible"][j]:
+            counts["feasible"] += 1
+            if rows["violated"][j]:
+                counts["violations"] += 1
+                counts["let_through" if accepted else "caught"] += 1
+            else:
+                counts["met_and_accepted" if accepted else "met_but_rejected"] += 1
+        drift.observe("ttft", cell, ttft, predicted_ttft)
+        if tpot is not None:
+            drift.observe("tpot", cell, tpot, predicted_tpot)
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trace", type=Path, default=ROOT / "bench" / "results" / "trace.json")
+    parser.add_argument("--label-dir", type=Path, default=Path("/tmp/dh-bench/out/label"),
+                        help="bench_trace's label shards (the held-out ones give the serving order)")
+    parser.add_argument("--quantiles", default="0.5,0.9")
+    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "drift_replay.json")
+    args = parser.parse_args()
+    report = json.loads(args.trace.read_text())
+    served = report["served_alpha_0"]
+    first = served[REPLAYED[0]]
+    # bench_trace serves every request of an item together, items in the held-out shards' order (task by
+    # task), each item's requests in trace order: the order the rows cannot tell, the shards can.
+    held_out = [item["id"] for task in report["tasks"]
+                for shard in sorted(args.label_dir.glob(f"{task}-3*-{report['shots']}shot"))
+                for item in json.loads((shard / "correctness.json").read_text())["items"]]
+    rank = {item: k for k, item in enumerate(held_out)}
+    order = sorted(range(len(first["item"])), key=lambda j: (rank[first["item"][j]], j))
+    results = {"trace": str(args.trace), "requests": len(order), "policies": {}}
+    rows = []
+    for quantile in [float(q) for q in args.quantiles.split(",")]:
+        for policy in REPLAYED:
+            counts = replay(served[policy], order, quantile)
+            results["policies"].setdefault(policy, {})[str(quantile)] = counts
+            rows.append([policy, quantile, counts["feasible"], counts["violations"], counts["caught"],
+                         counts["let_through"], counts["met_but_rejected"]])
+    print_table(f"Drift replayed over {args.trace.name}: requests whose profile saw a feasible cell",
+                ["policy", "quantile", "feasible", "violations", "caught", "let through", "met but rejected"], rows)
+    args.results.write_text(json.dumps(results, indent=2))
+    print(f"raw JSON: {args.results}")
+
+
+if __name__ == "__main__":
+    main()
