@@ -26,6 +26,7 @@ label stage's five-shot prompts (bench_trace's tasks, shards and held-out items)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import statistics
@@ -96,6 +97,13 @@ def _label_shard(package: Path, score: Path, settings, work: Path) -> None:
     label.run({"package": package, "tlm": score}, settings, StageContext(work_dir=work))
     print(f"labelled {settings.tasks[0]} [{settings.start}, {settings.stop}) in {time.perf_counter() - started:.0f} s",
           flush=True)
+
+
+def held_in_tag(tasks: list[str], shots: int, per_task: int) -> str:
+    """What a cached derive or decision-head directory was made from: the tasks (a short digest), the
+    few-shot block, the held-in items per task. Runs over other tasks must not reuse it."""
+    digest = hashlib.sha1(",".join(tasks).encode()).hexdigest()[:8]
+    return f"-{len(tasks)}tasks-{digest}" + (f"-{shots}shot" if shots else "") + f"-{per_task}items"
 
 
 def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
@@ -178,13 +186,12 @@ def main() -> None:
     tasks, ratios = args.tasks.split(","), [float(x) for x in args.ratios.split(",")]
     levels = args.levels.split(",")
     sizes = [int(x) for x in args.train_items.split(",")]
-    shot_tag = f"-{args.shots}shot" if args.shots else ""
     lat, score = latency_and_score(package, out)
     test_shards = sweep(package, score, out / "label", tasks, 300, args.test_items, ratios, levels, args.shots,
                         args.label_workers)
     labels = {size: derive(package, lat, sweep(package, score, out / "label", tasks, 0, size, ratios, levels,
                                                args.shots, args.label_workers),
-                           out / f"derive{shot_tag}-{size}items")
+                           out / f"derive{held_in_tag(tasks, args.shots, size)}")
               for size in sizes}
     keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
     correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
@@ -206,7 +213,8 @@ def main() -> None:
     for name, (_, head, temperature, size) in heads.items():
         for seed in range(seeds[name]):
             trained, seconds = train(score, labels[size], head, seed,
-                                     out / f"decision-{head}-{temperature}-{seed}{shot_tag}-{size}items-{args.steps}steps",
+                                     out / f"decision-{head}-{temperature}-{seed}"
+                                           f"{held_in_tag(tasks, args.shots, size)}-{args.steps}steps",
                                      temperature, args.steps)
             stage_seconds.setdefault(name, seconds)
             model, tokenizer = tlm.load_tlm(trained)

@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decision_head import derive, latency_and_score, sweep, train
+from bench_decision_head import derive, held_in_tag, latency_and_score, sweep, train
 from common import ROOT, print_table
 
 from device_sdk.format import CloneProfile
@@ -213,11 +213,10 @@ def main() -> None:
         shards = sweep(package, score, out / "label", tasks, start, stop - start, ratios, levels, args.shots,
                        args.label_workers)
         test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(shards) // 2)]
-    shot_tag = f"-{args.shots}shot" if args.shots else ""  # bench_decision_head's zero-shot outputs are reused
-    held_in_tag = f"{shot_tag}-{args.train_items}items"
-    labels = derive(package, lat, train_shards, out / f"derive{held_in_tag}")
+    tag = held_in_tag(tasks, args.shots, args.train_items)  # bench_decision_head's outputs are reused
+    labels = derive(package, lat, train_shards, out / f"derive{tag}")
     heads = {name: TLM.load(train(score, labels, head, 0,
-                                  out / f"decision-{head}-{args.margin_temperature}-0{held_in_tag}-{args.decision_steps}steps",
+                                  out / f"decision-{head}-{args.margin_temperature}-0{tag}-{args.decision_steps}steps",
                                   args.margin_temperature, args.decision_steps)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
     correct, tokens, meta = label.load_shards(test_pairs)
