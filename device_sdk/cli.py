@@ -20,6 +20,19 @@ def _public_key(text: str):
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _drift_quantile(text: str) -> float | None:
+    """argparse type of --drift-quantile: a quantile in (0, 1], or "off" (the profile as measured)."""
+    if text == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a quantile in (0, 1] or 'off', got {text!r}")
+    return value
+
+
 def _slo(args):
     from device_sdk.latency import SLO
 
@@ -151,11 +164,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from device_sdk.latency import Drift
     from device_sdk.runtime import ElasticModel
     from device_sdk.serve import make_server
 
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
+    if args.drift_quantile != Drift.quantile:  # reads (or measures) the profile now rather than at the first SLO
+        model.latency_profile.drift = Drift(quantile=args.drift_quantile)
     server = make_server(model, args.host, args.port, args.max_queue)
     base = f"http://{args.host}:{server.server_address[1]}/v1"
     chat = f" and {base}/chat/completions" if server.service.chat_template else " (no chat template in the package)"
@@ -260,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-queue", type=int, default=4, help="waiting requests beyond which clients get 503")
+    serve.add_argument("--drift-quantile", type=_drift_quantile, default=0.9,
+                       help="SLO decisions scale the profile's predictions by this quantile of the recent measured ÷ "
+                            "predicted ratios of served requests; 'off': the profile as measured")
 
     export = package_command("export", "write one level (or CLONE profile), its recovery LoRA merged in, as a GGUF "
                                        "file (llama.cpp) or a transformers directory; or every level's peft adapter",

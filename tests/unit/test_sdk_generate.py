@@ -160,6 +160,19 @@ def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
     assert "--keep must be the end of the prompt" in capsys.readouterr().err
 
 
+def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
+    from device_sdk.cli import _drift_quantile
+    from device_sdk.latency import Drift
+
+    assert _drift_quantile("off") is None and _drift_quantile("0.5") == 0.5 and _drift_quantile("1") == 1.0
+    assert Drift.quantile == 0.9  # the serve flag's default is the SDK's
+    key = base64.b64encode(public_bytes(KEY)).decode()
+    for bad in ("0", "1.5", "median"):
+        with pytest.raises(SystemExit) as exited:
+            device_cli(["serve", str(package), "--public-key", key, "--drift-quantile", bad])
+        assert exited.value.code == 2 and "quantile in (0, 1]" in capsys.readouterr().err
+
+
 def test_sdk_slo_request_field_is_validated():
     assert parse_slo({"ttft_ms": 100}) == SLO(100, None)
     assert parse_slo({"ttft": 0.5, "tpot": 0.8}) == SLO.fraction(0.5, 0.8)
