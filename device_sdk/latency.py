@@ -110,6 +110,8 @@ class Drift:
     window: int = 32
     min_samples: int = 4
     ratios: dict[tuple[str, str], deque] = field(default_factory=dict, repr=False)  # (kind, level or "*")
+    # A decision asks for every cell's factor; the quantile is recomputed only after an observation.
+    _factors: dict[tuple[str, str], float] = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, kind: str, level: str, measured_ms: float, predicted_ms: float) -> None:
         if predicted_ms <= 0 or measured_ms < 0:
@@ -117,15 +119,19 @@ class Drift:
         ratio = min(max(measured_ms / predicted_ms, 0.25), 4.0)  # one stalled request must not rule a window
         for key in ((kind, level), (kind, "*")):
             self.ratios.setdefault(key, deque(maxlen=self.window)).append(ratio)
+        self._factors.clear()
 
     def factor(self, kind: str, level: str) -> float:
         if self.quantile is None:
             return 1.0
-        for key in ((kind, level), (kind, "*")):
-            seen = self.ratios.get(key)
-            if seen is not None and len(seen) >= self.min_samples:
-                return float(torch.tensor(list(seen)).quantile(self.quantile))
-        return 1.0
+        if (kind, level) not in self._factors:
+            self._factors[kind, level] = 1.0
+            for key in ((kind, level), (kind, "*")):
+                seen = self.ratios.get(key)
+                if seen is not None and len(seen) >= self.min_samples:
+                    self._factors[kind, level] = float(torch.tensor(list(seen)).quantile(self.quantile))
+                    break
+        return self._factors[kind, level]
 
 
 @dataclass
