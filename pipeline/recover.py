@@ -15,7 +15,7 @@ the LoRA starts from the next larger level's, cut to this level's prefix.
 Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.corpus) or
 instruction data in alpaca (`instruction`/`input`/`output`) or chat (`messages`) JSONL, with
 loss on responses only. The torch loop is the default; `backend: deepspeed` runs the same step
-under ZeRO. On CUDA the same code runs under bf16 autocast.
+under ZeRO. Training runs under bf16 autocast on CUDA and on CPUs with native bf16 (`precision`).
 """
 
 from __future__ import annotations
@@ -231,9 +231,27 @@ def training_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA (the same code path); on CPU the weights' own dtype."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def training_dtype(settings: RecoverSettings, device: torch.device) -> torch.dtype:
+    """The dtype recovery computes in: bf16 on CUDA and on CPUs with native bf16, unless `precision` pins one."""
+    if settings.precision == "float32":
+        return torch.float32
+    if settings.precision == "bfloat16" or device.type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """bf16 autocast (CUDA, or a CPU with native bf16: the same code path); fp32 runs as it is."""
+    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 
 def labelled_hidden(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,13 +414,13 @@ def _model_device(hf: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def eval_loss(hf: nn.Module, windows: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token NLL over `windows`, in the weights' own dtype (fp32: measured as served, not as trained)."""
     was_training = hf.training
     hf.eval()
     device = _model_device(hf)
     total, count = 0.0, 0
     for batch in windows.split(batch_size):
-        with autocast(device):
-            total += lm_loss(hf, batch.to(device), batch.to(device)).item() * batch[:, 1:].numel()
+        total += lm_loss(hf, batch.to(device), batch.to(device)).item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
     hf.train(was_training)
     return total / count
@@ -417,9 +435,8 @@ def eval_kl(views: LevelViews, full: str, peft_model, windows: torch.Tensor, bat
     total, count = 0.0, 0
     for batch in windows.split(batch_size):
         batch = batch.to(device)
-        with autocast(device):
-            teacher = teacher_targets(views, full, peft_model, batch, batch, 1.0, 0)
-            total += distill_loss(views.hf, batch, batch, teacher, 1.0).item() * batch[:, 1:].numel()
+        teacher = teacher_targets(views, full, peft_model, batch, batch, 1.0, 0)
+        total += distill_loss(views.hf, batch, batch, teacher, 1.0).item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
     views.hf.train(was_training)
     return total / count
@@ -440,13 +457,14 @@ def train_torch(peft_model, hf, batches, settings: RecoverSettings, ctx: StageCo
     """AdamW on the LoRA parameters; `loss_fn(ids, labels)` defaults to the LM loss (see make_loss)."""
     loss_fn = loss_fn or (lambda ids, labels: lm_loss(hf, ids, labels))
     device = _model_device(hf)
+    dtype = training_dtype(settings, device)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
     peft_model.train()
     losses = []
     for step, (ids, labels) in enumerate(batches, 1):
-        with autocast(device):
+        with autocast(device, dtype):
             loss = loss_fn(ids.to(device), labels.to(device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -503,9 +521,10 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
         # which the teacher's level switches need anyway.
         views.use(views.level)
     engine.train()
+    dtype = training_dtype(settings, device)
     losses = []
     for step, (ids, labels) in enumerate(batches, 1):
-        with autocast(device):
+        with autocast(device, dtype):
             loss = loss_fn(ids.to(device), labels.to(device))
         engine.backward(loss)
         engine.step()

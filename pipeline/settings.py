@@ -126,6 +126,10 @@ class RecoverSettings(StageSettings):
     targets: Annotated[list[Projection], Field(min_length=1), AfterValidator(_unique)] = Field(
         default_factory=lambda: list(PROJECTIONS))
     seed: int = 0
+    # "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), where a
+    # step takes about half the time of fp32 (bench/bench_recovery.py); fp32 elsewhere. The base weights
+    # stay in their stored dtype and the LoRA in fp32 either way; evaluation always runs in fp32.
+    precision: Literal["auto", "float32", "bfloat16"] = "auto"
     backend: Backend = "torch"
     # ZeRO stage 3 would partition the shared base weights, which every level views.
     zero_stage: Literal[0, 1, 2] = 2

@@ -73,8 +73,9 @@ def _lora_params(peft_model) -> list[torch.nn.Parameter]:
     return [p for n, p in peft_model.named_parameters() if "lora_" in n]
 
 
-def test_distillation_moves_only_the_lora(package):
-    views, peft_model, settings = _student(package, "0.5")
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_distillation_moves_only_the_lora(package, precision):
+    views, peft_model, settings = _student(package, "0.5", precision=precision)
     storages = {source.storage.data_ptr(): source.storage.clone() for source, _ in views.pairs}
     base = {p.data_ptr(): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
     train_torch(peft_model, views.hf, _batches(3), settings, quiet_context(),
@@ -89,6 +90,37 @@ def test_distillation_moves_only_the_lora(package):
         assert view.weight.data_ptr() == source.storage.data_ptr()
         assert torch.equal(source.storage, storages[source.storage.data_ptr()])
     assert any(torch.count_nonzero(p) for n, p in peft_model.named_parameters() if "lora_B" in n)
+
+
+def test_bf16_training_autocasts_the_matmuls_and_keeps_the_lora_and_the_base_in_their_dtypes(package):
+    views, peft_model, settings = _student(package, "0.5", precision="bfloat16")
+    loss = make_loss(settings, views, "1.0", peft_model)
+    hidden_dtypes = []
+    views.hf.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: hidden_dtypes.append(out.dtype))
+    train_torch(peft_model, views.hf, _batches(1), settings, quiet_context(), loss)
+    assert hidden_dtypes and set(hidden_dtypes) == {torch.bfloat16}  # teacher and student passes alike
+    assert all(p.dtype == torch.float32 for p in _lora_params(peft_model))
+    assert all(source.storage.dtype == torch.float32 for source, _ in views.pairs)
+
+    views, peft_model, settings = _student(package, "0.5", precision="float32")
+    hidden_dtypes.clear()
+    views.hf.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: hidden_dtypes.append(out.dtype))
+    train_torch(peft_model, views.hf, _batches(1), settings, quiet_context(),
+                make_loss(settings, views, "1.0", peft_model))
+    assert set(hidden_dtypes) == {torch.float32}
+
+
+def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_native_bf16_only(monkeypatch):
+    from pipeline import recover
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    auto = RecoverSettings()
+    for native in (True, False):
+        monkeypatch.setattr(recover, "cpu_has_native_bf16", lambda native=native: native)
+        assert recover.training_dtype(auto, cpu) == (torch.bfloat16 if native else torch.float32)
+        assert recover.training_dtype(auto, cuda) == torch.bfloat16
+        assert recover.training_dtype(RecoverSettings(precision="float32"), cuda) == torch.float32
+        assert recover.training_dtype(RecoverSettings(precision="bfloat16"), cpu) == torch.bfloat16
 
 
 def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_only_the_lora(package):
