@@ -11,6 +11,7 @@ import torch
 
 from device_sdk.format import Level
 from tests.unit.elastilm_fixtures import (
+    SAME_WORKER,
     latency_report,
     recovered_package,
     score_tlm_dir,
@@ -20,7 +21,7 @@ from tests.unit.elastilm_fixtures import (
 
 RATIOS = [0.5, 1.0]
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), SAME_WORKER]
 
 
 @cache
