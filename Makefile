@@ -35,12 +35,8 @@ services:
 	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
 	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
-# The set-up steps run side by side (llama.cpp's build is the longest), then the tests on two
-# pytest-xdist workers of one thread each; tests/conftest.py keeps together what must share a worker.
-TEST_WORKERS ?= 2
-test:
-	$(MAKE) --no-print-directory -j4 assets lint services llama-cpp
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15 tests
+test: assets lint services llama-cpp
+	$(PY) -m pytest tests
 
 demo: assets
 	$(ELASTIFY) demo
@@ -57,5 +53,5 @@ LLAMA_VENV ?= .venv-llama
 llama-cpp: $(LLAMA_VENV)/.installed
 $(LLAMA_VENV)/.installed: requirements/llama-cpp.txt
 	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) CMAKE_ARGS="-DLLAVA_BUILD=OFF" $(LLAMA_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/llama-cpp.txt
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/llama-cpp.txt
 	touch $@

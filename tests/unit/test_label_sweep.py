@@ -11,7 +11,6 @@ import torch
 
 from device_sdk.format import Level
 from tests.unit.elastilm_fixtures import (
-    SAME_WORKER,
     latency_report,
     recovered_package,
     score_tlm_dir,
@@ -21,7 +20,7 @@ from tests.unit.elastilm_fixtures import (
 
 RATIOS = [0.5, 1.0]
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), SAME_WORKER]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @cache

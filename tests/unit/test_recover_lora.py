@@ -10,14 +10,13 @@ from safetensors import safe_open
 
 from device_sdk.format import read_manifest, verify_package
 from tests.unit.elastilm_fixtures import (
-    SAME_WORKER,
     recovered_package,
     recovery_results,
     single_thread,  # noqa: F401  (fixture)
     smollm2_elastic_package,
 )
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), SAME_WORKER]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_recover_lowers_eval_loss_at_every_level_below_full():

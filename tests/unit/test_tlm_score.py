@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.elastilm_fixtures import (
-    SAME_WORKER,
     score_tlm_dir,
     single_thread,  # noqa: F401  (fixture)
     smollm2_elastic_package,
@@ -17,7 +16,7 @@ TEXT = (
     "of the cell makes energy? Plants also have chloroplasts that capture light for photosynthesis."
 )
 
-pytestmark = [pytest.mark.usefixtures("single_thread"), SAME_WORKER]
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_tlm_compress_keeps_half_the_words_and_forced_tokens():
