@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from device_sdk.format import read_manifest
 from tests.unit.sdk_packages import signing_key, tiny_package
 
 ROOT = Path(__file__).resolve().parents[2]
-LLAMA_PYTHON = ROOT / ".venv-llama" / "bin" / "python"  # `make llama-cpp`; `make test` builds it first
+LLAMA_PYTHON = ROOT / ".venv-llama" / "bin" / "python"  # `make llama-cpp`; `make test` builds it beside the tests
+LLAMA_STAMP = ROOT / ".venv-llama" / ".installed"
 NEW_TOKENS = 32
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The three primary colors are",
            "Water boils at", "In 1492, Columbus", "The best way to learn a language is", "1, 2, 3, 4,"]
@@ -25,8 +27,16 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):",
 LLAMA_CPP_RUNNER = """
 import json, sys
 import numpy as np
+import llama_cpp.llama_cpp as low
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
+if not spec["extra_buffer_types"]:
+    defaults = low.llama_model_default_params
+    def plain_kernels():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    low.llama_model_default_params = plain_kernels
 llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=1, logits_all="forced" in spec, verbose=False)
 out = {"generated": [], "tokenized": [], "forced_argmax": []}
 for sequence in spec.get("forced", []):
@@ -45,12 +55,40 @@ print(json.dumps(out))
 """
 
 
+def cpu_has_amx() -> bool:
+    """llama-cpp-python 0.3.36's AMX int8 kernels (an "extra buffer type") crash with SIGSEGV on
+    SmolLM2's Q8_0 and Q4_1 weights, exported or packaged; the runner uses the plain CPU kernels there."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def wait_for_llama_build(limit_s: float = 1800.0) -> None:
+    """`make test` builds llama.cpp's venv beside the tests (ELASTIFY_LLAMA_BUILD_PID): wait for its stamp."""
+    import psutil
+
+    build = os.environ.get("ELASTIFY_LLAMA_BUILD_PID")
+    deadline = time.monotonic() + limit_s
+
+    def building() -> bool:
+        try:
+            return psutil.Process(int(build)).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while build and not LLAMA_STAMP.is_file() and building() and time.monotonic() < deadline:
+        time.sleep(5)
+    log = os.environ.get("ELASTIFY_LLAMA_BUILD_LOG", "")
+    assert LLAMA_STAMP.is_file(), f"llama.cpp's venv is missing: run `make llama-cpp`{f' (build log: {log})' * bool(log)}"
+
+
 def run_llama_cpp(gguf: Path, prompt_ids: list[list[int]], forced: list[list[int]] | None = None) -> dict:
     """llama.cpp's greedy continuations of `prompt_ids` (none when `forced` is given: then its argmax
     at every position of each `forced` sequence), in its own venv with a clean environment."""
-    assert LLAMA_PYTHON.is_file(), "llama.cpp's venv is missing: run `make llama-cpp`"
+    wait_for_llama_build()
     spec = {"gguf": str(gguf), "prompts": [] if forced else PROMPTS, "prompt_ids": [] if forced else prompt_ids,
-            "new_tokens": NEW_TOKENS}
+            "new_tokens": NEW_TOKENS, "extra_buffer_types": not cpu_has_amx()}
     if forced:
         spec["forced"] = forced
     env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}  # nothing of ours
