@@ -35,8 +35,14 @@ services:
 	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
 	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
-test: assets lint services llama-cpp
-	$(PY) -m pytest tests
+# llama.cpp builds from source (~10 min of one core) beside the tests, which are mostly serial: the
+# one module that runs it (tests/unit/test_export_gguf.py) waits for the build's stamp.
+LLAMA_BUILD_LOG := $(LLAMA_VENV)-build.log
+test: assets lint services
+	@$(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \
+	ELASTIFY_LLAMA_BUILD_PID=$$build ELASTIFY_LLAMA_BUILD_LOG=$(LLAMA_BUILD_LOG) $(PY) -m pytest tests; status=$$?; \
+	if ! wait $$build; then echo "llama.cpp's build failed:"; tail -n 40 $(LLAMA_BUILD_LOG); status=1; fi; \
+	exit $$status
 
 demo: assets
 	$(ELASTIFY) demo

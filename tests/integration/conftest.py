@@ -1,6 +1,8 @@
-"""Real services for integration tests, started once per session: PostgreSQL, SeaweedFS (S3) and Ray.
+"""Real services for integration tests, started once for this package: PostgreSQL, SeaweedFS (S3) and Ray.
 
-Nothing here is mocked; see tests/integration/services.py for how each one starts and stops.
+Nothing here is mocked; see tests/integration/services.py for how each one starts and stops. Package
+scope, not session: they stop when the last integration test is done, so Ray's idle workers and the
+servers do not take CPU from the unit tests that run after them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 from tests.integration import services
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def postgres_server():
     with services.postgres() as url:
         yield url
@@ -29,7 +31,7 @@ def pg_url(postgres_server) -> str:
     return url
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def seaweedfs():
     with services.seaweedfs() as endpoint:
         yield endpoint
@@ -45,14 +47,14 @@ def s3_store(seaweedfs):
     return config
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     """A local Ray head with 2 CPUs and 2 fake GPUs that tests and scheduler subprocesses join."""
     with services.ray_head(num_cpus=2, num_gpus=2) as address:
         yield address
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def cluster_env(ray_cluster):
     """Environment for scheduler subprocesses that must join the same Ray head."""
     return {**os.environ, "ELASTIFY_RAY_ADDRESS": ray_cluster, "RAY_AUTH_MODE": "disabled"}
