@@ -8,6 +8,9 @@
   (e) distill-onpolicy  (c), with a share (--on-policy) of steps on the level's own greedy
                     continuation of the window's first --rollout-prefix tokens (RecoverSettings.on_policy),
                     with --unlikelihood weight on the tokens of the 4-grams it repeats there
+  (f) distill-corrected  (c), with the same share of on-policy steps, but each token the level writes
+                    that is outside the full model's top --correct-top-k replaced by the full model's
+                    argmax (RecoverSettings.rollout = "corrected"; speculative KD)
 
 Every method trains each level on `steps × batch × seq_len` tokens with the same settings
 otherwise; the training loop is the recover stage's own (pipeline.recover: LevelViews, add_lora,
@@ -60,13 +63,16 @@ METHODS = {
     "distill": "(c) distillation, recovery corpus",
     "distill-warm": "(d) (c) + warm start",
     "distill-onpolicy": "(e) (c) + on-policy steps with unlikelihood",
+    "distill-corrected": "(f) (c) + on-policy steps the full model corrects",
 }
 # Two processes side by side, about equal work: LM steps cost ~3/4 of a distillation step.
-WORKERS = {"lm": ["lm-ptb", "lm-corpus"], "distill": ["distill", "distill-warm"], "onpolicy": ["distill-onpolicy"]}
+WORKERS = {"lm": ["lm-ptb", "lm-corpus"], "distill": ["distill", "distill-warm"], "onpolicy": ["distill-onpolicy"],
+           "corrected": ["distill-corrected"]}
+ON_POLICY_METHODS = {"distill-onpolicy", "distill-corrected"}
 VALIDATION_EVERY = 20  # every n-th recovery text is the validation slice, never trained on
 # Greedy decoding runs ~5 tokens/s on one contended core, so generation health is measured for
 # today's recovery, the distillation methods and the full model (32 x 64 tokens each per level).
-GENERATION_METHODS = {"lm-ptb", "distill", "distill-warm", "distill-onpolicy"}
+GENERATION_METHODS = {"lm-ptb", "distill", "distill-warm", *ON_POLICY_METHODS}
 
 # The report card's generation-health prompts; the smoke run trims this list in place.
 EVERYDAY_PROMPTS = list(GENERATION_PROMPTS)
@@ -212,8 +218,10 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
                            warm_start=method == "distill-warm", seed=args.seed, precision=args.precision,
                            dropout=args.dropout,
-                           on_policy=args.on_policy if method == "distill-onpolicy" else 0.0,
+                           on_policy=args.on_policy if method in ON_POLICY_METHODS else 0.0,
                            rollout_prefix=args.rollout_prefix,
+                           rollout="corrected" if method == "distill-corrected" else "student",
+                           correct_top_k=args.correct_top_k,
                            unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0)
 
 
@@ -452,7 +460,7 @@ def plot(results: dict, path: Path) -> None:
     full = results["full_model"]
     fig, axes = plt.subplots(1, len(levels) + 1, figsize=(5 * (len(levels) + 1), 4.2))
     colors = {"lm-ptb": "tab:gray", "lm-corpus": "tab:blue", "distill": "tab:red", "distill-warm": "tab:purple",
-              "distill-onpolicy": "tab:green"}
+              "distill-onpolicy": "tab:green", "distill-corrected": "tab:olive"}
     for ax, level in zip(axes, sorted(levels, key=float, reverse=True), strict=False):
         for method, per_level in results["curves"].items():
             points = per_level[level]
@@ -572,6 +580,11 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="reuse the package and finished runs under --out")
     parser.add_argument("--no-results", action="store_true", help="do not write bench/results/")
     # internal: one worker process / one corpus shard
+    parser.add_argument("--corrected", action="store_true",
+                        help="also run (f) as another worker: on-policy steps written by the level, corrected by "
+                             "the full model (RecoverSettings.rollout)")
+    parser.add_argument("--correct-top-k", type=int, default=RecoverSettings().correct_top_k,
+                        help="(f): the full model's top k that keeps the level's token")
     parser.add_argument("--worker", choices=sorted(WORKERS))
     parser.add_argument("--package")
     parser.add_argument("--corpus")
@@ -599,10 +612,10 @@ def main() -> None:
     print(f"package {package}, corpus {corpus_dir}", flush=True)
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "precision", "dropout", "on_policy", "rollout_prefix", "unlikelihood", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "precision", "dropout", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
-    workers = [name for name in WORKERS if args.onpolicy or name != "onpolicy"]
+    workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
     procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],
                                     env={**os.environ, "OMP_NUM_THREADS": "1"}) for name in workers}
     if args.second_seed is not None:  # in the distillation worker's slot once it is done

@@ -389,6 +389,37 @@ def student_rollout(hf: nn.Module, input_ids: torch.Tensor, prefix_tokens: int) 
     return ids, labels
 
 
+@torch.no_grad()
+def corrected_rollout(views: LevelViews, full: str, peft_model, input_ids: torch.Tensor, prefix_tokens: int,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, labels) as `student_rollout`, but each greedy token of the level that is not among the full
+    model's `top_k` next tokens is replaced by the full model's argmax (speculative KD's interleaved
+    sampling, greedy). Both models keep their own KV cache over the one shared storage."""
+    from transformers import DynamicCache
+
+    if not 0 < prefix_tokens < input_ids.shape[1]:
+        raise RecoverError(f"rollout_prefix must be between 1 and the sequence length - 1 ({input_ids.shape[1] - 1})")
+    hf = views.hf
+    was_training = hf.training
+    hf.eval()
+    ids = input_ids[:, :prefix_tokens]
+    fed, student_cache, teacher_cache = ids, DynamicCache(), DynamicCache()
+    try:
+        for _ in range(input_ids.shape[1] - prefix_tokens):
+            proposed = hf(input_ids=fed, cache=student_cache, use_cache=True).logits[:, -1].argmax(-1)
+            with teacher_mode(views, full, peft_model):
+                teacher_logits = hf(input_ids=fed, cache=teacher_cache, use_cache=True).logits[:, -1]
+            allowed = teacher_logits.topk(top_k, dim=-1).indices
+            kept = (allowed == proposed[:, None]).any(dim=-1)
+            fed = torch.where(kept, proposed, allowed[:, 0])[:, None]
+            ids = torch.cat([ids, fed], dim=1)
+    finally:
+        hf.train(was_training)
+    labels = ids.clone()
+    labels[:, :prefix_tokens] = IGNORE
+    return ids, labels
+
+
 def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_model) -> Callable:
     """The training loss of (input ids, labels): the LM loss, or distillation from the full model, on the
     batch or (a seeded `on_policy` share of steps) on the level's own continuation of it."""
@@ -399,7 +430,11 @@ def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_mode
     def distill(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         repeated = None
         if settings.on_policy and rollouts.random() < settings.on_policy:
-            ids, labels = student_rollout(views.hf, ids, settings.rollout_prefix)
+            if settings.rollout == "corrected":
+                ids, labels = corrected_rollout(views, full, peft_model, ids, settings.rollout_prefix,
+                                                settings.correct_top_k)
+            else:
+                ids, labels = student_rollout(views.hf, ids, settings.rollout_prefix)
             repeated = repeated_ngram_positions(ids, settings.rollout_prefix) if settings.unlikelihood else None
         teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
         return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight,

@@ -144,6 +144,12 @@ class RecoverSettings(StageSettings):
     # KL taken on what it wrote. Corpus text never shows the student its own loops.
     on_policy: float = Field(default=0.0, ge=0.0, le=1.0)
     rollout_prefix: PositiveInt = 32
+    # Who writes that text. "student": the level alone. "corrected": the level, with the full model's
+    # argmax in place of every token outside the full model's top `correct_top_k` (speculative KD, Xu et
+    # al. 2024). Shown a loop, the full model continues it too, so only the loop's entry is the level's
+    # own error; correction keeps the text the level's own up to that point and then leaves the loop out.
+    rollout: Literal["student", "corrected"] = "student"
+    correct_top_k: PositiveInt = 5
     # Weight of the sequence-level unlikelihood loss on those steps (Welleck et al. 2019): every token
     # of a 4-gram the level repeats in its own text is pushed down. Greedy loops are what make small
     # levels unusable, and on-policy KL alone left them as they were (bench_recovery, method (e)).
@@ -166,6 +172,8 @@ class RecoverSettings(StageSettings):
             raise ValueError("on_policy: the level's own text is scored by the teacher, so it needs loss 'distill'")
         if self.unlikelihood and not self.on_policy:
             raise ValueError("unlikelihood applies to the level's own text: set on_policy above 0")
+        if self.rollout != "student" and not self.on_policy:
+            raise ValueError("rollout: who writes the on-policy text matters only with on_policy above 0")
         if self.on_policy and self.rollout_prefix >= self.seq_len:
             raise ValueError(f"rollout_prefix ({self.rollout_prefix}) must be below seq_len ({self.seq_len})")
         return self

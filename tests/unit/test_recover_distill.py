@@ -15,6 +15,7 @@ from pipeline.recover import (
     LevelViews,
     RecoverError,
     add_lora,
+    corrected_rollout,
     distill_loss,
     lm_loss,
     make_loss,
@@ -146,6 +147,42 @@ def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_o
     assert views.hf.training is False  # train_torch leaves eval mode; the rollout restored training in between
     with pytest.raises(RecoverError, match="rollout_prefix"):
         student_rollout(views.hf, ids, ids.shape[1])
+
+
+def test_corrected_rollout_keeps_the_levels_tokens_the_full_model_ranks_and_replaces_the_rest(package):
+    views, peft_model, settings = _student(package, "0.5", on_policy=1.0, rollout_prefix=6, rollout="corrected",
+                                           correct_top_k=16)
+    for param in peft_model.parameters():  # a LoRA that moves the level's argmax, so student and teacher differ
+        if param.requires_grad:
+            torch.nn.init.normal_(param, std=0.2, generator=torch.Generator().manual_seed(1))
+    ids = _batches(1, seed=5)[0][0]
+    vocab = views.hf.config.vocab_size
+    rolled, labels = corrected_rollout(views, "1.0", peft_model, ids, 6, 16)
+    assert rolled.shape == ids.shape and torch.equal(rolled[:, :6], ids[:, :6])
+    assert (labels[:, :6] == -100).all() and torch.equal(labels[:, 6:], rolled[:, 6:])
+    assert views.model.level == "0.5"  # back at the student's level
+    with torch.no_grad():
+        student = views.hf(input_ids=rolled).logits[:, 5:-1].argmax(-1)
+        with teacher_mode(views, "1.0", peft_model):
+            teacher = views.hf(input_ids=rolled).logits[:, 5:-1]
+    allowed = teacher.topk(16, dim=-1).indices
+    written = rolled[:, 6:]
+    in_top = (allowed == student[..., None]).any(-1)
+    assert torch.equal(written[in_top], student[in_top])  # the level's token wherever the full model ranks it
+    assert torch.equal(written[~in_top], allowed[..., 0][~in_top])  # else the full model's argmax
+    assert in_top.any() and (~in_top).any()  # both cases happen here
+    # The two ends: a top-k of the whole vocabulary is the level alone, a top-1 the full model alone.
+    assert torch.equal(corrected_rollout(views, "1.0", peft_model, ids, 6, vocab)[0], student_rollout(views.hf, ids, 6)[0])
+    with teacher_mode(views, "1.0", peft_model):
+        teacher_alone = student_rollout(views.hf, ids, 6)[0]
+    assert torch.equal(corrected_rollout(views, "1.0", peft_model, ids, 6, 1)[0], teacher_alone)
+
+    loss = make_loss(settings, views, "1.0", peft_model)
+    base = {p.data_ptr(): p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    train_torch(peft_model, views.hf, _batches(2), settings, quiet_context(), loss)
+    for name, param in peft_model.named_parameters():
+        if "lora_" not in name:
+            assert torch.equal(param, base[param.data_ptr()]) and param.grad is None
 
 
 def test_repeated_ngram_positions_mark_every_token_of_a_repeat_after_the_prefix():
@@ -312,7 +349,9 @@ def test_text_windows_match_the_named_corpus_windows(corpus):
 @pytest.mark.parametrize("bad", [{"loss": "mse"}, {"temperature": 0.0}, {"top_k": -1}, {"lm_weight": -0.1},
                                  {"on_policy": 1.5}, {"on_policy": 0.5, "loss": "lm"},
                                  {"rollout_prefix": 64, "on_policy": 0.5, "seq_len": 64},
-                                 {"unlikelihood": 1.0}, {"unlikelihood": -1.0, "on_policy": 0.5}])
+                                 {"unlikelihood": 1.0}, {"unlikelihood": -1.0, "on_policy": 0.5},
+                                 {"rollout": "corrected"}, {"rollout": "teacher", "on_policy": 0.5},
+                                 {"correct_top_k": 0, "on_policy": 0.5, "rollout": "corrected"}])
 def test_distillation_settings_are_checked(bad):
     with pytest.raises(ValidationError, match=next(iter(bad))):
         RecoverSettings(level="0.5", **bad)
