@@ -37,7 +37,7 @@ services:
 
 # llama.cpp builds from source (~10 min of one core) beside the tests, which are mostly serial: the
 # one module that runs it (tests/unit/test_export_gguf.py) waits for the build's stamp.
-LLAMA_BUILD_LOG := $(LLAMA_VENV)-build.log
+LLAMA_BUILD_LOG = $(LLAMA_VENV)-build.log
 test: assets lint services
 	@$(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \
 	ELASTIFY_LLAMA_BUILD_PID=$$build ELASTIFY_LLAMA_BUILD_LOG=$(LLAMA_BUILD_LOG) $(PY) -m pytest tests; status=$$?; \
