@@ -254,6 +254,13 @@ def autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 
+def decoding_precision(hf: nn.Module):
+    """Rollouts decode in the weights' own fp32, as the device serves, whatever the training precision:
+    under autocast every token would recast each frozen weight to bf16 (autocast caches the casts of
+    weights that need grad only), which made a 96-token rollout cost more than the training step."""
+    return torch.autocast(_model_device(hf).type, enabled=False)
+
+
 def labelled_hidden(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Final hidden states [n, hidden] at the positions whose next token is labelled, and those tokens [n]."""
     hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state[:, :-1]
@@ -379,9 +386,10 @@ def student_rollout(hf: nn.Module, input_ids: torch.Tensor, prefix_tokens: int) 
     prefix = input_ids[:, :prefix_tokens]
     new_tokens = input_ids.shape[1] - prefix_tokens
     try:
-        ids = hf.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          pad_token_id=0)  # rows never pad: min_new_tokens keeps every row to the end
+        with decoding_precision(hf):
+            ids = hf.generate(prefix, attention_mask=torch.ones_like(prefix), do_sample=False,
+                              max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              pad_token_id=0)  # rows never pad: min_new_tokens keeps every row to the end
     finally:
         hf.train(was_training)
     labels = ids.clone()
@@ -405,14 +413,15 @@ def corrected_rollout(views: LevelViews, full: str, peft_model, input_ids: torch
     ids = input_ids[:, :prefix_tokens]
     fed, student_cache, teacher_cache = ids, DynamicCache(), DynamicCache()
     try:
-        for _ in range(input_ids.shape[1] - prefix_tokens):
-            proposed = hf(input_ids=fed, cache=student_cache, use_cache=True).logits[:, -1].argmax(-1)
-            with teacher_mode(views, full, peft_model):
-                teacher_logits = hf(input_ids=fed, cache=teacher_cache, use_cache=True).logits[:, -1]
-            allowed = teacher_logits.topk(top_k, dim=-1).indices
-            kept = (allowed == proposed[:, None]).any(dim=-1)
-            fed = torch.where(kept, proposed, allowed[:, 0])[:, None]
-            ids = torch.cat([ids, fed], dim=1)
+        with decoding_precision(hf):
+            for _ in range(input_ids.shape[1] - prefix_tokens):
+                proposed = hf(input_ids=fed, cache=student_cache, use_cache=True).logits[:, -1].argmax(-1)
+                with teacher_mode(views, full, peft_model):
+                    teacher_logits = hf(input_ids=fed, cache=teacher_cache, use_cache=True).logits[:, -1]
+                allowed = teacher_logits.topk(top_k, dim=-1).indices
+                kept = (allowed == proposed[:, None]).any(dim=-1)
+                fed = torch.where(kept, proposed, allowed[:, 0])[:, None]
+                ids = torch.cat([ids, fed], dim=1)
     finally:
         hf.train(was_training)
     labels = ids.clone()
