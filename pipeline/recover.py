@@ -256,8 +256,7 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 def decoding_precision(hf: nn.Module):
     """Rollouts decode in the weights' own fp32, as the device serves, whatever the training precision:
-    under autocast every token would recast each frozen weight to bf16 (autocast caches the casts of
-    weights that need grad only), which made a 96-token rollout cost more than the training step."""
+    the level is corrected on the text it would write when served."""
     return torch.autocast(_model_device(hf).type, enabled=False)
 
 
