@@ -143,7 +143,9 @@ def llama_cpp_generator(spec: dict):
     end-of-sequence by itself (create_completion does), so every run has NEW_TOKENS tokens."""
     import llama_cpp
     from llama_cpp import Llama
+    from llama_kernels import plain_kernels_where_amx_crashes
 
+    plain = plain_kernels_where_amx_crashes()
     threads = spec["threads"]
     llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
 
@@ -153,7 +155,7 @@ def llama_cpp_generator(spec: dict):
             if count == NEW_TOKENS:
                 break
 
-    return generate, {"llama_cpp_python": llama_cpp.__version__}
+    return generate, {"llama_cpp_python": llama_cpp.__version__, "llama_cpp_plain_kernels": plain}
 
 
 ENGINES = {"sdk": sdk_generator, "hf": hf_generator, "llama.cpp": llama_cpp_generator}

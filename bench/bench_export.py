@@ -36,6 +36,9 @@ LLAMA_CPP_DECODE = """
 import json, statistics, sys, time
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
+sys.path.insert(0, spec["bench_dir"])
+from llama_kernels import plain_kernels_where_amx_crashes
+plain = plain_kernels_where_amx_crashes()
 threads = spec["threads"]
 llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
 def steps():
@@ -49,12 +52,13 @@ steps()
 measured = [step for _ in range(spec["runs"]) for step in steps()]
 step = statistics.median(measured)
 print(json.dumps({"tok_s": 1 / step, "step_median_ms": step * 1000, "steps": len(measured),
-                  "llama_cpp_python": __import__("llama_cpp").__version__}))
+                  "llama_cpp_python": __import__("llama_cpp").__version__, "llama_cpp_plain_kernels": plain}))
 """
 
 
 def decode(python: str, gguf: Path, prompt_ids: list[int], threads: int) -> dict:
-    spec = {"gguf": str(gguf), "prompt_ids": prompt_ids, "threads": threads, "new_tokens": NEW_TOKENS, "runs": RUNS}
+    spec = {"gguf": str(gguf), "prompt_ids": prompt_ids, "threads": threads, "new_tokens": NEW_TOKENS, "runs": RUNS,
+            "bench_dir": str(Path(__file__).resolve().parent)}
     env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
     before = os.getloadavg()
     done = subprocess.run([python, "-c", LLAMA_CPP_DECODE, json.dumps(spec)], env=env, capture_output=True,

@@ -27,16 +27,11 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):",
 LLAMA_CPP_RUNNER = """
 import json, sys
 import numpy as np
-import llama_cpp.llama_cpp as low
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
-if not spec["extra_buffer_types"]:
-    defaults = low.llama_model_default_params
-    def plain_kernels():
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-    low.llama_model_default_params = plain_kernels
+sys.path.insert(0, spec["bench_dir"])
+from llama_kernels import plain_kernels_where_amx_crashes
+plain_kernels_where_amx_crashes()
 llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=1, logits_all="forced" in spec, verbose=False)
 out = {"generated": [], "tokenized": [], "forced_argmax": []}
 for sequence in spec.get("forced", []):
@@ -53,15 +48,6 @@ for prompt, ids in zip(spec["prompts"], spec["prompt_ids"]):
     out["generated"].append(tokens)
 print(json.dumps(out))
 """
-
-
-def cpu_has_amx() -> bool:
-    """llama-cpp-python 0.3.36's AMX int8 kernels (an "extra buffer type") crash with SIGSEGV on
-    SmolLM2's Q8_0 and Q4_1 weights, exported or packaged; the runner uses the plain CPU kernels there."""
-    try:
-        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
 
 
 def wait_for_llama_build(limit_s: float = 1800.0) -> None:
@@ -88,7 +74,7 @@ def run_llama_cpp(gguf: Path, prompt_ids: list[list[int]], forced: list[list[int
     at every position of each `forced` sequence), in its own venv with a clean environment."""
     wait_for_llama_build()
     spec = {"gguf": str(gguf), "prompts": [] if forced else PROMPTS, "prompt_ids": [] if forced else prompt_ids,
-            "new_tokens": NEW_TOKENS, "extra_buffer_types": not cpu_has_amx()}
+            "new_tokens": NEW_TOKENS, "bench_dir": str(ROOT / "bench")}  # bench/llama_kernels.py, stdlib only
     if forced:
         spec["forced"] = forced
     env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}  # nothing of ours
