@@ -53,15 +53,15 @@ from pipeline.stage import StageContext, quiet_context
 
 def build_package(out: Path, levels: list[float], ctx: StageContext, calibration: list[str] | None = None,
                   name: str = "package", profile_settings: dict | None = None,
-                  elastify_settings: dict | None = None) -> Path:
-    """SmolLM2 profiled (block influence, 8 x 128 tokens of `calibration`, default the build's; other
+                  elastify_settings: dict | None = None, model: Path | None = None) -> Path:
+    """SmolLM2 (or the HF directory `model`) profiled (block influence, 8 x 128 tokens of `calibration`, default the build's; other
     ProfileSettings as given) and elastified (the build's ElastifySettings but for those given)."""
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import load_model
     from pipeline.profile import ProfileSettings, profile
 
-    loaded = load_model(prepare_smollm2())
+    loaded = load_model(model or prepare_smollm2())
     importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
                          ProfileSettings(windows=8, window_length=128, layer_method="block_influence",
                                          **({"calibration": calibration} if calibration else {}),

