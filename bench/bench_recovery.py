@@ -217,7 +217,7 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
                            seq_len=args.seq_len, lr=args.lr, warmup_steps=max(1, args.steps // 20),
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
                            warm_start=method == "distill-warm", seed=args.seed, precision=args.precision,
-                           dropout=args.dropout,
+                           dropout=args.dropout, rank=args.rank, alpha=args.alpha,
                            on_policy=args.on_policy if method in ON_POLICY_METHODS else 0.0,
                            rollout_prefix=args.rollout_prefix,
                            rollout="corrected" if method == "distill-corrected" else "student",
@@ -422,7 +422,7 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
         "model": "SmolLM2-135M-Instruct", "device": "CPU, 1 thread per method process (two processes side by side)",
         "seed": args.seed, "levels": args.levels.split(","),
         "tokens_per_level": tokens, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-        "settings": {"lr": args.lr, "temperature": args.temperature, "rank": 8, "alpha": 16.0,
+        "settings": {"lr": args.lr, "temperature": args.temperature, "rank": args.rank, "alpha": args.alpha,
                      "precision": args.precision, "dropout": args.dropout,
                      "selection": "fixed a priori; not tuned on LAMBADA or the held-out slice"},
         "eval_windows": sets_sizes, "generation": {"prompts": len(EVERYDAY_PROMPTS), "max_new_tokens": args.gen_tokens,
@@ -559,6 +559,8 @@ def main() -> None:
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="RecoverSettings.precision: auto is bf16 autocast on CPUs with native bf16")
     parser.add_argument("--dropout", type=float, default=RecoverSettings().dropout, help="LoRA dropout")
+    parser.add_argument("--rank", type=int, default=RecoverSettings().rank, help="LoRA rank")
+    parser.add_argument("--alpha", type=float, default=RecoverSettings().alpha, help="LoRA alpha (scale alpha / rank)")
     parser.add_argument("--on-policy", type=float, default=0.5, help="(e)'s share of steps on the level's own text")
     parser.add_argument("--rollout-prefix", type=int, default=32, help="(e): window tokens the level continues")
     parser.add_argument("--unlikelihood", type=float, default=1.0, help="(e): weight on its repeated 4-grams")
@@ -585,6 +587,7 @@ def main() -> None:
                              "the full model (RecoverSettings.rollout)")
     parser.add_argument("--correct-top-k", type=int, default=RecoverSettings().correct_top_k,
                         help="(f): the full model's top k that keeps the level's token")
+    parser.add_argument("--prepare-only", action="store_true", help="build the package and corpus, print their paths")
     parser.add_argument("--worker", choices=sorted(WORKERS))
     parser.add_argument("--package")
     parser.add_argument("--corpus")
@@ -610,9 +613,11 @@ def main() -> None:
     assert [lv.name for lv in read_manifest(package).elastic.levels] == ["0.5", "0.7", "1.0"]
     corpus_dir = prepare_corpus(package, corpus_settings(args), args.shards)
     print(f"package {package}, corpus {corpus_dir}", flush=True)
+    if args.prepare_only:  # for screening one worker by hand (--worker ... --package P --corpus C)
+        return
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "precision", "dropout", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
