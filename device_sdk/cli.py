@@ -150,8 +150,11 @@ def cmd_generate(args) -> int:
     if not args.prompt.endswith(args.keep):
         print("error: --keep must be the end of the prompt", file=sys.stderr)
         return 2
+    if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        print("error: --min-new-tokens must be in 0..--max-new-tokens", file=sys.stderr)
+        return 2
     stream = model.generate(args.prompt, slo=_slo(args), max_new_tokens=args.max_new_tokens, stream=True,
-                            level=args.level, keep=args.keep)
+                            level=args.level, keep=args.keep, min_new_tokens=args.min_new_tokens)
     for piece in stream:
         print(piece, end="", flush=True)
     result = stream.result
@@ -267,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     generate = commands["generate"]
     generate.add_argument("prompt")
     generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--min-new-tokens", type=int, default=1,
+                          help="tokens before the end-of-sequence token may come (0: the model may answer nothing)")
     generate.add_argument("--level", help="force a level instead of choosing by SLO")
     generate.add_argument("--keep", default="", metavar="TEXT",
                           help="the end of the prompt that compression keeps whole (e.g. the question after a passage)")

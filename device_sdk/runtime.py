@@ -342,7 +342,7 @@ class ElasticModel:
 
     def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
                  level: str | float | None = None, profile: str | None = None, experts: str | None = None,
-                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = ""):
+                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = "", min_new_tokens: int = 1):
         """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
         Greedy unless `sampling` says otherwise. `keep`, an end of `prompt` (the question after a
@@ -350,13 +350,19 @@ class ElasticModel:
         it. Generation ends at the end-of-sequence token, at
         `max_new_tokens`, or at the first of the `stop` strings, which is left out of the text
         (finish_reason "stop"); streamed text holds back what could be the start of a stop string.
+        The end-of-sequence token cannot come before `min_new_tokens` tokens: a model told "do not add
+        anything else" (or shown a compressed prompt) may end at once, and an empty answer is never what
+        the caller asked for; 0 lets it.
         With `stream=True` returns a GenerationStream of text pieces; else a Generation.
         """
+        if not 0 <= min_new_tokens <= max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in 0..max_new_tokens ({max_new_tokens}), not {min_new_tokens}")
         if any(not s for s in stop):
             raise ValueError("a stop string must not be empty")
         if not prompt.endswith(keep):
             raise ValueError("`keep` must be the end of the prompt")
-        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop), keep)
+        steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop), keep,
+                               min_new_tokens)
         if stream:
             return GenerationStream(steps)
         try:
@@ -368,7 +374,7 @@ class ElasticModel:
     @torch.inference_mode()
     def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
                   experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = (),
-                  keep: str = "") -> Iterator[str]:
+                  keep: str = "", min_new_tokens: int = 0) -> Iterator[str]:
         latency = self.latency_profile if slo is not None else None  # read or measured once, not per request
         # TTFT runs from here: tokenising, the TLM's decision and compression, prefill.
         started = time.perf_counter()
@@ -396,6 +402,7 @@ class ElasticModel:
         max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
         cache = self.transformer.new_cache(max_len)
         pick = (sampling or Sampling(temperature=0)).picker()
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         tokens: list[int] = []
         stamps: list[float] = []
         shown = 0  # characters of the decoded text already yielded
@@ -403,8 +410,10 @@ class ElasticModel:
         next_input = torch.tensor([ids])
         prefill_started = time.perf_counter()
         while len(tokens) < max_new_tokens and cache.length < max_len:
-            logits = self.transformer(next_input, cache, last_only=True)
-            token = pick(logits[0, -1])
+            logits = self.transformer(next_input, cache, last_only=True)[0, -1]
+            if len(tokens) < min_new_tokens and len(eos):
+                logits = logits.index_fill(0, eos, float("-inf"))
+            token = pick(logits)
             stamps.append(time.perf_counter())
             tokens.append(token)
             if token in self.eos_ids:

@@ -3,7 +3,8 @@
     POST /v1/completions       {"prompt": "...", "max_tokens": 32, "stream": false, "stop": ["\\n"],
                                 "temperature": 0.7, "top_p": 0.9, "seed": 1,
                                 "slo": {"ttft_ms": 200, "tpot_ms": 40},   # or {"ttft": 0.5, "tpot": 0.8}
-                                "keep": "..."}   # the prompt's end that compression keeps whole
+                                "keep": "...",   # the prompt's end that compression keeps whole
+                                "min_tokens": 1} # tokens before end-of-sequence may come (0 allows none)
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...the same fields}
     GET  /v1/models, GET /health
 
@@ -57,7 +58,8 @@ _ONLY_DEFAULT = {
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
-_COMMON = {"model", "max_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user", "slo"}
+_COMMON = {"model", "max_tokens", "min_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
+           "user", "slo"}
 _ACCEPTED = {
     "completion": _COMMON | {"prompt", "keep"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
@@ -112,7 +114,7 @@ class CompletionService:
                 request = job.request
                 stream = self.model.generate(request["prompt"], slo=request["slo"], max_new_tokens=request["max_tokens"],
                                              stream=True, sampling=request["sampling"], stop=request["stop"],
-                                             keep=request["keep"])
+                                             keep=request["keep"], min_new_tokens=request["min_tokens"])
                 for piece in stream:
                     job.events.put(piece)
                 job.events.put(stream.result)
@@ -159,6 +161,9 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string (one prompt per request)", param="prompt")
         max_tokens = _max_tokens(data, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    min_tokens = data.get("min_tokens", 1)  # vLLM's extension; 1, not its 0: an empty answer is no answer
+    if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be an integer in 0..max_tokens ({max_tokens})", param="min_tokens")
     keep = data.get("keep", "")
     if not isinstance(keep, str) or not prompt.endswith(keep):
         raise RequestError("keep must be a string that ends the prompt (the part compression keeps whole)",
@@ -173,7 +178,7 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         slo = parse_slo(data.get("slo"))
     except ValueError as err:
         raise RequestError(str(err), param="slo") from None
-    return {"prompt": prompt, "max_tokens": max_tokens, "stream": stream,
+    return {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens, "stream": stream,
             "include_usage": bool(options.get("include_usage")), "slo": slo,
             "sampling": parse_sampling(data), "stop": parse_stop(data.get("stop")), "keep": keep}
 

@@ -57,6 +57,18 @@ def test_sdk_stream_yields_the_text(model):
     assert result.level == "1.0" and result.tpot_ms is not None and result.finish_reason == "length"
 
 
+def test_the_end_of_sequence_token_waits_for_min_new_tokens(model):
+    first = model.generate("abc", max_new_tokens=1, min_new_tokens=0).tokens[0]
+    model.eos_ids = {first}  # the model's own greedy first token now ends the answer at once
+    ended = model.generate("abc", max_new_tokens=4, min_new_tokens=0)
+    assert ended.tokens == [first] and ended.text == "" and ended.finish_reason == "stop"
+    answered = model.generate("abc", max_new_tokens=4)  # the default: at least one token
+    assert answered.tokens[0] != first and answered.text
+    assert first not in model.generate("abc", max_new_tokens=4, min_new_tokens=4).tokens
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        model.generate("abc", max_new_tokens=2, min_new_tokens=3)
+
+
 def test_sdk_decision_hook_replaces_the_profile_rule(model):
     """The TLM issue plugs in here: a decider picks (level, prompt ratio), a compressor applies the ratio."""
     seen = {}
@@ -214,6 +226,18 @@ def test_sdk_serve_completion_and_stream(serving, model):
 
     status, body = post(serving, {"prompt": "", "max_tokens": 3})
     assert status == 400 and "prompt" in json.loads(body)["error"]["message"]
+    for bad in (-1, 4, 1.5, "1"):
+        status, body = post(serving, {"prompt": "hi", "max_tokens": 3, "min_tokens": bad})
+        assert status == 400 and json.loads(body)["error"]["param"] == "min_tokens"
+
+
+def test_sdk_serve_min_tokens_lets_an_answer_be_empty_only_when_asked(serving, model):
+    model.eos_ids = {model.generate("hi", max_new_tokens=1, min_new_tokens=0).tokens[0]}
+    status, body = post(serving, {"prompt": "hi", "max_tokens": 3, "min_tokens": 0})
+    choice = json.loads(body)["choices"][0]
+    assert status == 200 and choice["text"] == "" and choice["finish_reason"] == "stop"
+    status, body = post(serving, {"prompt": "hi", "max_tokens": 3})
+    assert status == 200 and json.loads(body)["choices"][0]["text"]
 
 
 class BlockingModel:
