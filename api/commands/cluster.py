@@ -322,7 +322,8 @@ def demo_profile(model):
 
 def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: int = 12) -> list[dict]:
     """Each (prompt, kept end) served under each SLO as the device SDK decides it: the chosen prompt ratio
-    and level, the measured TTFT and TPOT against their targets, and the text."""
+    and level, whether the device's profile predicted any usable cell to meet the SLO, the measured TTFT
+    and TPOT against their targets, and the text."""
     from device_sdk.latency import SLO
 
     rows = []
@@ -331,7 +332,7 @@ def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: 
             slo = SLO.fraction(ttft=ttft, tpot=tpot)
             served = model.generate(prompt, slo=slo, max_new_tokens=max_new_tokens, keep=keep)
             rows.append({"prompt": prompt, "slo": (ttft, tpot), "ratio": served.decision.prompt_ratio,
-                         "level": served.level, "ttft_ms": served.ttft_ms, "tpot_ms": served.tpot_ms,
+                         "level": served.level, "feasible": served.decision.feasible, "ttft_ms": served.ttft_ms, "tpot_ms": served.tpot_ms,
                          "slo_met": served.slo_met, "text": served.text})
     return rows
 
@@ -353,8 +354,15 @@ def _slo_table(rows: list[dict]) -> Table:
         prompt = row["prompt"] if len(row["prompt"]) <= 40 else f"…{row['prompt'][-38:]}"
         tpot = "-" if row["tpot_ms"] is None else f"{row['tpot_ms']:.1f}"
         table.add_row(Text(repr(prompt)), f"{row['slo'][0]}, {row['slo'][1]}", f"{row['ratio']}, {row['level']}",
-                      f"{row['ttft_ms']:.0f}", tpot, "yes" if row["slo_met"] else "no", Text(repr(row["text"])))
+                      f"{row['ttft_ms']:.0f}", tpot, _met(row), Text(repr(row["text"])))
     return table
+
+
+def _met(row: dict) -> str:
+    """Whether the SLO was met, and where it was not, whether any usable cell could have met it on this device."""
+    if row["slo_met"]:
+        return "yes"
+    return "no" if row["feasible"] else "no: no usable cell can"
 
 
 def _stage_table(summary: dict) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from api.app import default_registry
-from api.commands.cluster import demo_profile, demo_spec, level_continuations, slo_servings
+from api.commands.cluster import _met, demo_profile, demo_spec, level_continuations, slo_servings
 from cluster.dag import UpstreamInput, plan
 from cluster.spec import parse_spec
 from device_sdk.format import public_key_b64
@@ -49,6 +49,12 @@ def test_the_demo_serves_two_prompts_under_two_slos_and_reports_what_it_chose(tm
     assert [(row["prompt"], row["slo"]) for row in rows] == [(p, s) for p, _ in requests for s in ((1.0, 1.0), (1.0, 0.6))]
     assert [row["level"] for row in rows] == [levels[-1], "0.5"] * 2
     assert all(row["ratio"] == 1.0 and row["ttft_ms"] > 0 and row["tpot_ms"] > 0 and row["text"] for row in rows)
+    assert all(row["feasible"] for row in rows)
+    impossible = slo_servings(model, requests[:1], slos=((1.0, 0.1),), max_new_tokens=3)[0]
+    assert impossible["level"] == levels[0] and not impossible["feasible"]
+    # the measured outcome decides "yes"; where it missed, the table tells a wrong prediction from no chance
+    assert _met(impossible | {"slo_met": False}) == "no: no usable cell can"
+    assert _met(rows[0] | {"slo_met": False}) == "no" and _met(rows[0] | {"slo_met": True}) == "yes"
 
 
 def test_the_demo_profiles_the_levels_a_decision_may_pick_and_the_full_model(tmp_path):
