@@ -54,8 +54,8 @@ from pipeline.stage import StageContext, quiet_context
 def build_package(out: Path, levels: list[float], ctx: StageContext, calibration: list[str] | None = None,
                   name: str = "package", profile_settings: dict | None = None,
                   elastify_settings: dict | None = None, model: Path | None = None) -> Path:
-    """SmolLM2 (or the HF directory `model`) profiled (block influence, 8 x 128 tokens of `calibration`, default the build's; other
-    ProfileSettings as given) and elastified (the build's ElastifySettings but for those given)."""
+    """SmolLM2 (or the HF directory `model`) profiled (block influence, 8 x 128 tokens of `calibration`,
+    default the build's; other ProfileSettings as given) and elastified (the build's ElastifySettings but for those given)."""
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import load_model

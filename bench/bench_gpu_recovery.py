@@ -81,7 +81,8 @@ def measure(package: Path, args) -> dict:
     per_token = flops_per_token(args.loss, full.active_params, level.active_params)
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "weights": args.weights, "corpus": args.corpus, "level": level.name, "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
+        "torch": torch.__version__, "weights": args.weights, "corpus": args.corpus,
+        "level": level.name, "loss": args.loss, "steps": args.steps, "batch_size": args.batch_size,
         "seq_len": args.seq_len, "seconds": seconds, "tokens_per_s": tokens / seconds,
         "flops_per_token": per_token, "achieved_tflops": tokens * per_token / seconds / 1e12,
         "full_active_params": full.active_params, "level_active_fraction": level.active_fraction,
@@ -157,7 +158,8 @@ def main() -> None:
     result["extrapolated_7b"] = extrapolate(result, args)
     seven = result["extrapolated_7b"]
     weights = "" if args.weights == "smollm2" else ", random weights"
-    print_table(f"Recovery throughput ({result['device']}, SmolLM2{weights} level {result['level']}, {result['loss']})",
+    print_table(f"Recovery throughput ({result['device']}, SmolLM2{weights}, level {result['level']}, "
+                f"{result['loss']})",
                 ["tokens/s", "TFLOP/s", "peak GiB", "steps × batch × seq", "loss first → last"],
                 [[f"{result['tokens_per_s']:.4g}", f"{result['achieved_tflops']:.3g}",
                   "-" if result["peak_memory_gib"] is None else f"{result['peak_memory_gib']:.1f}",

@@ -342,7 +342,8 @@ class ElasticModel:
 
     def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
                  level: str | float | None = None, profile: str | None = None, experts: str | None = None,
-                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = "", min_new_tokens: int = 1):
+                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = "",
+                 min_new_tokens: int = 1):
         """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
         Greedy unless `sampling` says otherwise. `keep`, an end of `prompt` (the question after a
@@ -374,7 +375,7 @@ class ElasticModel:
     @torch.inference_mode()
     def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
                   experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = (),
-                  keep: str = "", min_new_tokens: int = 0) -> Iterator[str]:
+                  keep: str = "", min_new_tokens: int = 1) -> Iterator[str]:
         latency = self.latency_profile if slo is not None else None  # read or measured once, not per request
         # TTFT runs from here: tokenising, the TLM's decision and compression, prefill.
         started = time.perf_counter()

@@ -332,8 +332,9 @@ def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: 
             slo = SLO.fraction(ttft=ttft, tpot=tpot)
             served = model.generate(prompt, slo=slo, max_new_tokens=max_new_tokens, keep=keep)
             rows.append({"prompt": prompt, "slo": (ttft, tpot), "ratio": served.decision.prompt_ratio,
-                         "level": served.level, "feasible": served.decision.feasible, "ttft_ms": served.ttft_ms, "tpot_ms": served.tpot_ms,
-                         "slo_met": served.slo_met, "text": served.text})
+                         "level": served.level, "feasible": served.decision.feasible,
+                         "ttft_ms": served.ttft_ms, "tpot_ms": served.tpot_ms, "slo_met": served.slo_met,
+                         "text": served.text})
     return rows
 
 
