@@ -143,18 +143,25 @@ def cmd_profile(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from device_sdk.runtime import ElasticModel
+    from device_sdk.runtime import ElasticModel, Sampling
 
-    model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
-                              quantize=args.quantize)
     if not args.prompt.endswith(args.keep):
         print("error: --keep must be the end of the prompt", file=sys.stderr)
         return 2
     if not 0 <= args.min_new_tokens <= args.max_new_tokens:
         print("error: --min-new-tokens must be in 0..--max-new-tokens", file=sys.stderr)
         return 2
+    try:
+        sampling = Sampling(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+                            presence_penalty=args.presence_penalty)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
+                              quantize=args.quantize)
     stream = model.generate(args.prompt, slo=_slo(args), max_new_tokens=args.max_new_tokens, stream=True,
-                            level=args.level, keep=args.keep, min_new_tokens=args.min_new_tokens)
+                            level=args.level, keep=args.keep, min_new_tokens=args.min_new_tokens, sampling=sampling)
     for piece in stream:
         print(piece, end="", flush=True)
     result = stream.result
@@ -273,6 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_argument("--min-new-tokens", type=int, default=1,
                           help="tokens before the end-of-sequence token may come (0: the model may answer nothing)")
     generate.add_argument("--level", help="force a level instead of choosing by SLO")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (with --temperature > 0)")
+    generate.add_argument("--seed", type=int, help="the same seed gives the same sampled tokens")
+    generate.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="divide the logits of tokens already in the prompt or output (>1 discourages loops)")
+    generate.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="OpenAI's: subtract this times how often a token came in the output")
+    generate.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="OpenAI's: subtract this from every token that came in the output")
     generate.add_argument("--keep", default="", metavar="TEXT",
                           help="the end of the prompt that compression keeps whole (e.g. the question after a passage)")
     for option in ("--ttft-ms", "--tpot-ms", "--ttft-fraction", "--tpot-fraction"):

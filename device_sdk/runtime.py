@@ -85,11 +85,40 @@ class Generation:
 class Sampling:
     """Sample instead of taking the argmax: softmax at `temperature`, kept to the smallest set of
     tokens whose probability reaches `top_p` (nucleus). Temperature 0 is greedy. The same `seed`
-    with the same prompt and level gives the same tokens; no seed draws one from the OS."""
+    with the same prompt and level gives the same tokens; no seed draws one from the OS.
+
+    The penalties work at any temperature, greedy too, and with the semantics of the servers users
+    already know. `repetition_penalty` (CTRL's, as in transformers and vLLM) divides the positive logit
+    of every token already in the prompt or the output by it and multiplies a negative one by it.
+    `frequency_penalty` and `presence_penalty` (OpenAI's) subtract, from a token's logit, that value
+    times how often the token has come in the output, and that value once it has come at all.
+    """
 
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, not {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in -2..2, not {getattr(self, name)}")
+
+    @property
+    def penalised(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def penalties(self, prompt_ids: Sequence[int], vocab: int) -> Penalties | None:
+        """The penalties' state for one generation over `prompt_ids`; None when there are none."""
+        return Penalties(self, prompt_ids, vocab) if self.penalised else None
 
     def picker(self) -> Callable[[torch.Tensor], int]:
         """A token chooser for one generation (it owns its random generator)."""
@@ -110,6 +139,33 @@ class Sampling:
             return int(order[torch.multinomial(ranked, 1, generator=generator)])
 
         return pick
+
+
+GREEDY = Sampling(temperature=0)
+
+
+class Penalties:
+    """One generation's repetition, frequency and presence penalties (see Sampling): which tokens the
+    prompt and output hold, and how often each came in the output."""
+
+    def __init__(self, sampling: Sampling, prompt_ids: Sequence[int], vocab: int):
+        self.sampling = sampling
+        self.seen = torch.zeros(vocab, dtype=torch.bool)
+        self.seen[torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        self.counts = torch.zeros(vocab)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float().clone()
+        penalty = self.sampling.repetition_penalty
+        if penalty != 1.0:
+            seen = logits[self.seen]
+            logits[self.seen] = torch.where(seen > 0, seen / penalty, seen * penalty)
+        logits -= self.sampling.frequency_penalty * self.counts + self.sampling.presence_penalty * (self.counts > 0)
+        return logits
+
+    def add(self, token: int) -> None:
+        self.seen[token] = True
+        self.counts[token] += 1
 
 
 def _greedy(logits: torch.Tensor) -> int:
@@ -402,7 +458,9 @@ class ElasticModel:
         self._clone_setup(prompt, slo, len(ids), profile, experts)
         max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
         cache = self.transformer.new_cache(max_len)
-        pick = (sampling or Sampling(temperature=0)).picker()
+        sampling = sampling or GREEDY
+        pick = sampling.picker()
+        penalties = sampling.penalties(ids, self.manifest.architecture.vocab)
         eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long)
         tokens: list[int] = []
         stamps: list[float] = []
@@ -412,11 +470,15 @@ class ElasticModel:
         prefill_started = time.perf_counter()
         while len(tokens) < max_new_tokens and cache.length < max_len:
             logits = self.transformer(next_input, cache, last_only=True)[0, -1]
+            if penalties is not None:
+                logits = penalties(logits)
             if len(tokens) < min_new_tokens and len(eos):
                 logits = logits.index_fill(0, eos, float("-inf"))
             token = pick(logits)
             stamps.append(time.perf_counter())
             tokens.append(token)
+            if penalties is not None:
+                penalties.add(token)
             if token in self.eos_ids:
                 break
             decoded = self.tokenizer.decode(tokens)

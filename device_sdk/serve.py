@@ -2,6 +2,7 @@
 
     POST /v1/completions       {"prompt": "...", "max_tokens": 32, "stream": false, "stop": ["\\n"],
                                 "temperature": 0.7, "top_p": 0.9, "seed": 1,
+                                "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1,
                                 "slo": {"ttft_ms": 200, "tpot_ms": 40},   # or {"ttft": 0.5, "tpot": 0.8}
                                 "keep": "...",   # the prompt's end that compression keeps whole
                                 "min_tokens": 1} # tokens before end-of-sequence may come (0 allows none)
@@ -10,7 +11,8 @@
 
 Chat prompts are rendered with the package's own chat template. Without `temperature` or
 `top_p` decoding is greedy; with either it samples (the other defaults to 1, as OpenAI's do),
-reproducibly for a given `seed`. A parameter this server does not honour (`n` > 1, `logprobs`,
+reproducibly for a given `seed`. OpenAI's frequency and presence penalties and vLLM's
+`repetition_penalty` apply greedy or sampled (runtime.Sampling). A parameter this server does not honour (`n` > 1, `logprobs`,
 `echo`, `tools`, ...) is refused with a 400 naming it, never silently ignored.
 
 Several apps share one model: one request runs at a time (a single worker thread owns the
@@ -48,8 +50,6 @@ _ONLY_DEFAULT = {
     "echo": (False,),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -59,7 +59,7 @@ _ONLY_DEFAULT = {
     "response_format": (None, {"type": "text"}),
 }
 _COMMON = {"model", "max_tokens", "min_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
-           "user", "slo"}
+           "user", "slo", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _ACCEPTED = {
     "completion": _COMMON | {"prompt", "keep"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
@@ -144,7 +144,7 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
     )
     if unsupported:
         raise RequestError(f"unsupported parameter{'s' if len(unsupported) > 1 else ''}: {', '.join(unsupported)} "
-                           "(this server generates one choice of plain text, without logprobs, penalties or tools)",
+                           "(this server generates one choice of plain text, without logprobs or tools)",
                            param=unsupported[0], code="unsupported_parameter")
     if kind == "chat":
         if chat_template is None:
@@ -221,8 +221,17 @@ def _max_tokens(data: dict, alias: str, default: int) -> int:
     return value
 
 
+# Penalty parameters: OpenAI's two, and vLLM's repetition_penalty; (default, check, what the check says).
+_PENALTIES = {
+    "presence_penalty": (0.0, lambda v: -2 <= v <= 2, "a number in -2..2"),
+    "frequency_penalty": (0.0, lambda v: -2 <= v <= 2, "a number in -2..2"),
+    "repetition_penalty": (1.0, lambda v: 0 < v <= 10, "a number in (0, 10]"),
+}
+
+
 def parse_sampling(data: dict) -> Sampling | None:
-    """None (greedy) unless temperature or top_p is given; then OpenAI's ranges and defaults."""
+    """None (greedy, no penalties) unless a sampling or penalty parameter is given; OpenAI's ranges and
+    defaults. Without temperature or top_p decoding stays greedy, penalties or not."""
     temperature, top_p, seed = data.get("temperature"), data.get("top_p"), data.get("seed")
     if temperature is not None and (not _is_number(temperature) or not 0 <= temperature <= 2):
         raise RequestError("temperature must be a number in 0..2", param="temperature")
@@ -230,10 +239,17 @@ def parse_sampling(data: dict) -> Sampling | None:
         raise RequestError("top_p must be a number in (0, 1]", param="top_p")
     if seed is not None and (not _is_int(seed) or not -(1 << 63) <= seed < 1 << 64):
         raise RequestError("seed must be a 64-bit integer", param="seed")
+    penalties = {}
+    for name, (default, valid, expected) in _PENALTIES.items():
+        value = data.get(name)
+        if value is not None and (not _is_number(value) or not valid(value)):
+            raise RequestError(f"{name} must be {expected}", param=name)
+        penalties[name] = default if value is None else float(value)
     if temperature is None and top_p is None:
-        return None
+        sampled = Sampling(temperature=0, seed=seed, **penalties)
+        return sampled if sampled.penalised else None
     return Sampling(temperature=1.0 if temperature is None else float(temperature),
-                    top_p=1.0 if top_p is None else float(top_p), seed=seed)
+                    top_p=1.0 if top_p is None else float(top_p), seed=seed, **penalties)
 
 
 def parse_stop(value) -> tuple[str, ...]:

@@ -10,10 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from device_sdk.cli import main as device_cli
 from device_sdk.latency import SLO, Decision, LatencyProfile, profile_path
-from device_sdk.runtime import ElasticModel
+from device_sdk.runtime import ElasticModel, Sampling
 from device_sdk.serve import make_server, parse_slo
 from tests.unit.sdk_packages import fixed_profile_model, public_bytes, serving, signing_key, tiny_package
 
@@ -67,6 +68,48 @@ def test_the_end_of_sequence_token_waits_for_min_new_tokens(model):
     assert first not in model.generate("abc", max_new_tokens=4, min_new_tokens=4).tokens
     with pytest.raises(ValueError, match="min_new_tokens"):
         model.generate("abc", max_new_tokens=2, min_new_tokens=3)
+
+
+def test_penalties_follow_ctrl_and_openai_on_known_logits():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    penalties = Sampling(temperature=0, repetition_penalty=2.0).penalties(prompt_ids=[0, 1], vocab=4)
+    # in the prompt: 2.0 halves, -1.0 doubles; unseen tokens keep theirs
+    assert penalties(logits).tolist() == [1.0, -2.0, 0.5, 3.0]
+    penalties.add(3)
+    penalties.add(3)
+    assert penalties(logits).tolist() == [1.0, -2.0, 0.5, 1.5]  # seen once or twice: divided once
+    openai = Sampling(temperature=0, frequency_penalty=0.5, presence_penalty=0.25).penalties([0, 1], vocab=4)
+    assert openai(logits).tolist() == logits.tolist()  # the prompt does not count, only the output
+    openai.add(2)
+    openai.add(2)
+    assert openai(logits).tolist() == [2.0, -1.0, 0.5 - 2 * 0.5 - 0.25, 3.0]
+    assert Sampling(temperature=0).penalties([0], vocab=4) is None  # nothing to do: no state kept
+    for bad in ({"repetition_penalty": 0}, {"frequency_penalty": 2.5}, {"presence_penalty": -3},
+                {"temperature": -1}, {"top_p": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            Sampling(**bad)
+
+
+def test_greedy_with_penalties_is_the_argmax_of_the_penalised_full_forward(model):
+    """The cached decode loop against a reference: every step re-runs the whole sequence and applies
+    the two rules by hand."""
+    model.set_level("0.5")
+    sampling = Sampling(temperature=0, repetition_penalty=1.8, frequency_penalty=0.7, presence_penalty=0.3)
+    ids = model.tokenizer.encode("abc abc").ids
+    expected, counts = [], {}
+    for _ in range(10):
+        logits = model.logits(torch.tensor([ids + expected]))[0, -1].float().clone()
+        for token in set(ids + expected):
+            logits[token] = logits[token] / 1.8 if logits[token] > 0 else logits[token] * 1.8
+        for token, count in counts.items():
+            logits[token] -= 0.7 * count + 0.3
+        expected.append(int(logits.argmax()))
+        counts[expected[-1]] = counts.get(expected[-1], 0) + 1
+    penalised = model.generate("abc abc", max_new_tokens=10, level="0.5", sampling=sampling, min_new_tokens=0)
+    plain = model.generate("abc abc", max_new_tokens=10, level="0.5", min_new_tokens=0)
+    assert penalised.tokens == expected[: len(penalised.tokens)]
+    assert penalised.tokens != plain.tokens  # the penalties changed what greedy chose
+    assert len(set(penalised.tokens)) > len(set(plain.tokens))
 
 
 def test_sdk_decision_hook_replaces_the_profile_rule(model):
@@ -170,6 +213,11 @@ def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
     assert "[level 0.5" in capsys.readouterr().err
     assert device_cli([*common, "a passage", "--keep", "why?"]) == 2
     assert "--keep must be the end of the prompt" in capsys.readouterr().err
+    assert device_cli([*common, "a passage", "--repetition-penalty", "1.3", "--presence-penalty", "0.5"]) == 0
+    for bad, named in ((["--repetition-penalty", "0"], "repetition_penalty"), (["--top-p", "2"], "top_p"),
+                       (["--frequency-penalty", "3"], "frequency_penalty")):
+        assert device_cli([*common, "a passage", *bad]) == 2
+        assert f"error: {named} must be" in capsys.readouterr().err
 
 
 def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
@@ -229,6 +277,20 @@ def test_sdk_serve_completion_and_stream(serving, model):
     for bad in (-1, 4, 1.5, "1"):
         status, body = post(serving, {"prompt": "hi", "max_tokens": 3, "min_tokens": bad})
         assert status == 400 and json.loads(body)["error"]["param"] == "min_tokens"
+
+
+def test_sdk_serve_penalties_reach_the_decoder_and_bad_ones_are_400(serving, model):
+    body = {"prompt": "abc abc", "max_tokens": 8, "min_tokens": 0}
+    penalties = {"repetition_penalty": 1.8, "frequency_penalty": 0.7, "presence_penalty": 0.3}
+    status, reply = post(serving, body | penalties)
+    expected = model.generate("abc abc", max_new_tokens=8, min_new_tokens=0,
+                              sampling=Sampling(temperature=0, **penalties)).text
+    assert status == 200 and json.loads(reply)["choices"][0]["text"] == expected
+    assert expected != model.generate("abc abc", max_new_tokens=8, min_new_tokens=0).text
+    for name, bad in (("repetition_penalty", 0), ("repetition_penalty", "1.1"), ("frequency_penalty", 2.5),
+                      ("presence_penalty", -2.5)):
+        status, reply = post(serving, body | {name: bad})
+        assert status == 400 and json.loads(reply)["error"]["param"] == name
 
 
 def test_sdk_serve_min_tokens_lets_an_answer_be_empty_only_when_asked(serving, model):
