@@ -11,8 +11,10 @@ A corpus source is one of:
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import math
+from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 
@@ -83,13 +85,40 @@ def make_windows(tokenizer, sources: str | list[str], count: int, length: int, s
     return cut_windows(torch.cat([_tokenized(tokenizer, source) for source in sources]), count, length, seed)
 
 
+# Token streams already made in this process, newest last: (tokenizer fingerprint, text digest) -> ids.
+_STREAMS: OrderedDict[tuple[str, str], torch.Tensor] = OrderedDict()
+STREAM_CACHE_SIZE = 4
+
+
+def token_stream(tokenizer, text: str) -> torch.Tensor:
+    """`text`'s token ids (no special tokens), remembered per tokenizer and text for this process.
+
+    Every level a recover worker trains cuts its windows from the same corpus text, and tokenizing
+    it whole was a sixth of a demo-size recovery (7 s of 44 on SmolLM2). The key is the tokenizer's
+    own serialisation, not its path, so a rebuilt tokenizer at the same place is never served stale
+    ids; a tokenizer without one is not cached.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    key = None
+    if backend is not None:
+        key = (hashlib.sha256(backend.to_str().encode()).hexdigest(), hashlib.sha256(text.encode()).hexdigest())
+        if key in _STREAMS:
+            _STREAMS.move_to_end(key)
+            return _STREAMS[key]
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    if key is not None:
+        _STREAMS[key] = ids
+        while len(_STREAMS) > STREAM_CACHE_SIZE:
+            _STREAMS.popitem(last=False)
+    return ids
+
+
 def text_windows(tokenizer, texts: list[str], count: int, length: int, seed: int = 0) -> torch.Tensor:
     """`make_windows` over given texts (joined like a corpus file's rows) instead of named sources."""
     text = "\n\n".join(texts)
     if not text.strip():
         raise CalibrationError("the given texts are empty")
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return cut_windows(torch.tensor(ids, dtype=torch.long), count, length, seed)
+    return cut_windows(token_stream(tokenizer, text), count, length, seed)
 
 
 def mixed_windows(tokenizer, texts_by_kind: dict[str, list[str]], shares: dict[str, float], count: int,
@@ -112,7 +141,7 @@ def mixed_windows(tokenizer, texts_by_kind: dict[str, list[str]], shares: dict[s
     generator = torch.Generator().manual_seed(seed)
     windows, stats = [], {}
     for kind in sorted(drawn):
-        tokens = torch.tensor(tokenizer("\n\n".join(texts_by_kind[kind]), add_special_tokens=False)["input_ids"])
+        tokens = token_stream(tokenizer, "\n\n".join(texts_by_kind[kind]))
         slots = tokens.numel() // length
         if slots == 0:
             raise CalibrationError(f"the {kind} text has {tokens.numel()} tokens, fewer than one {length}-token window")

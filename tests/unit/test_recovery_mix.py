@@ -74,3 +74,24 @@ def test_record_sources_map_to_kinds():
 def test_a_mix_without_weight_or_with_unknown_kinds_is_refused(mix):
     with pytest.raises(ValidationError, match="mix"):
         RecoverSettings(level="0.5", mix=mix)
+
+
+def test_the_token_stream_is_made_once_per_tokenizer_and_text():
+    """Each level's recovery tokenizes the same corpus: the second time, from a tokenizer loaded anew,
+    comes from memory, and only an identical tokenizer and text are served it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.calibration import token_stream
+
+    text = "the recovery corpus, " * 50
+    first = token_stream(byte_tokenizer(), text)
+    again = token_stream(byte_tokenizer(), text)  # another object, the same tokenizer
+    assert again is first and first.tolist() == byte_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert token_stream(byte_tokenizer(), text + "!").tolist() == first.tolist() + [ord("!")]
+    # another vocabulary over the same text: its own ids, not the cached ones
+    vocab = {bytes([i]).decode("latin-1"): 255 - i for i in range(256)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="\xff"))
+    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    reversed_ids = token_stream(PreTrainedTokenizerFast(tokenizer_object=core), text)
+    assert reversed_ids.tolist() == [255 - i for i in first.tolist()]
