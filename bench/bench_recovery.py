@@ -361,8 +361,8 @@ def run_worker(args) -> None:
         result_path.parent.mkdir(parents=True, exist_ok=True)
         result_path.write_text(json.dumps({"method": method, "runs": runs, "quality": quality}, indent=2))
     if args.worker == "lm" and not (args.reuse and (out / "runs" / "reference.json").is_file()):
-        # the full model and the levels without recovery, same windows and prompts
-        quality = sdk_quality(package, [*levels, "1.0"], sets, args.gen_tokens, {"1.0"})
+        # the full model and the levels without recovery, same windows and prompts (and their loops)
+        quality = sdk_quality(package, [*levels, "1.0"], sets, args.gen_tokens, {*levels, "1.0"})
         (out / "runs" / "reference.json").write_text(json.dumps({"quality": quality}, indent=2))
 
 
@@ -386,8 +386,10 @@ def assemble(args, corpus_dir: Path, sets_sizes: dict, wall: float) -> dict:
     tokens = args.steps * args.batch_size * args.seq_len
     rows = []
     for level in sorted(args.levels.split(","), key=float, reverse=True):
-        rows.append({"level": level, "method": "none", **quality_row(reference[level], full), "repeat4": None,
-                     "repeat4_ratio": None})
+        unrecovered = reference[level]
+        rows.append({"level": level, "method": "none", "repeat4": None, **quality_row(unrecovered, full),
+                     "repeat4_ratio": rate_ratio(unrecovered["repeat4"], full["repeat4"]) if "repeat4" in unrecovered
+                     else None})
         for method, data in methods.items():
             q = data["quality"][level]
             rows.append({"level": level, "method": method, "repeat4": None, **quality_row(q, full),
