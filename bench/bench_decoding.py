@@ -16,7 +16,7 @@ lowest judge NLL among the settings whose repeat-4 rate is at most --repeat-rati
 greedy rate there; the lowest rate when none is), the odd-numbered ones report it. Intervals are 95%
 percentile bootstraps that resample whole prompts. Decoding is deterministic, so one run is the result.
 
-  .venv/bin/python bench/bench_decoding.py --package ~/.cache/elastify/store/packages/smollm2-135m-elastic/<version>
+  .venv/bin/python bench/bench_decoding.py [--package DIR]     (default: make demo's package)
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from common import ROOT, print_table
 from rich.progress import track
 
 RESULTS = ROOT / "bench" / "results" / "decoding.json"
+DEMO_NAME = "smollm2-135m-elastic"  # api.commands.cluster.demo_spec's publish name
 SETTINGS = {  # name -> Sampling penalties (greedy throughout)
     "greedy": {},
     "repetition 1.1": {"repetition_penalty": 1.1},
@@ -117,15 +118,27 @@ def choose(level_runs: dict[str, dict], full_rate: float, repeat_ratio: float) -
     return min(summaries, key=lambda s: summaries[s]["repeat4"]["mean"])
 
 
+def demo_package() -> Path:
+    """The package `make demo` last published to the local store (its `latest` alias)."""
+    from cluster.settings import Settings
+
+    packages = Path(Settings.from_env().store_url) / "packages" / DEMO_NAME
+    alias = packages / "aliases" / "latest"
+    if not alias.is_file():
+        raise SystemExit(f"error: no demo package in {packages}: run `make demo` or pass --package")
+    return packages / alias.read_text().strip()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--package", type=Path, required=True)
+    parser.add_argument("--package", type=Path, help="a built package (default: make demo's, from the local store)")
     parser.add_argument("--levels", default="1.0,0.9,0.7,0.5")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat-ratio", type=float, default=2.0, help="the usable bound: x the full model's rate")
     parser.add_argument("--workers", type=int, default=2, help="processes, one torch thread each")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    args.package = args.package or demo_package()
     if not (args.package / "manifest.json").is_file():
         raise SystemExit(f"error: {args.package} is not a package (no manifest.json)")
     levels = args.levels.split(",")
