@@ -216,6 +216,7 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
     return RecoverSettings(level=level, corpus=["ptb:train"], steps=args.steps, batch_size=args.batch_size,
                            seq_len=args.seq_len, lr=args.lr, warmup_steps=max(1, args.steps // 20),
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
+                           divergence=args.divergence,
                            warm_start=method == "distill-warm", seed=args.seed, precision=args.precision,
                            dropout=args.dropout, rank=args.rank, alpha=args.alpha,
                            on_policy=args.on_policy if method in ON_POLICY_METHODS else 0.0,
@@ -279,7 +280,7 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
     return {"method": method, "level": level, "adapter": str(adapter), "steps": settings.steps,
             "train_tokens": settings.steps * tokens_per_step, "wall_s": round(wall, 1),
             "train_loss_first": losses[0], "train_loss_last": losses[-1], "curve": curve,
-            "warm_start_from": str(init_adapter) if init_adapter else None, "mix": mix,
+            "warm_start_from": str(init_adapter) if init_adapter else None, "corpus": str(corpus_dir), "mix": mix,
             "settings": settings.model_dump(mode="json")}
 
 
@@ -557,6 +558,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=RecoverSettings().lr)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--divergence", choices=["forward", "reverse", "jsd"], default=RecoverSettings().divergence,
+                        help="of the distillation methods (RecoverSettings.divergence)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="RecoverSettings.precision: auto is bf16 autocast on CPUs with native bf16")
@@ -619,7 +622,7 @@ def main() -> None:
         return
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]

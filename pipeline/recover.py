@@ -8,7 +8,7 @@ B [out_active, r], exactly what `adapters/recovery/<level>.safetensors` holds.
 
 The loss is by default distillation: the teacher is the same weights at level 1.0 (the views
 re-pointed at the whole storage, the LoRA bypassed), under no_grad; the student is the level
-with its LoRA; KL(teacher || student) at a temperature, optionally over the teacher's top-k,
+with its LoRA; KL(teacher || student) (or the reverse KL, or GKD's JSD) at a temperature, optionally over the teacher's top-k,
 plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
 the LoRA starts from the next larger level's, cut to this level's prefix.
 
@@ -42,7 +42,7 @@ from device_sdk.lora import tensor_names as lora_tensor_names
 from pipeline.calibration import make_windows, mixed_windows
 from pipeline.contract import StageSettings
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
-from pipeline.settings import RecoverSettings
+from pipeline.settings import Divergence, RecoverSettings
 from pipeline.stage import StageContext
 
 IGNORE = -100  # label of prompt and padding tokens: no loss
@@ -328,12 +328,27 @@ def teacher_targets(views: LevelViews, full: str, peft_model, input_ids: torch.T
     return TeacherTargets(torch.cat(parts), torch.cat(index_parts) if index_parts else None)
 
 
+def divergence(student: torch.Tensor, teacher: torch.Tensor, kind: Divergence = "forward",
+               beta: float = 0.5) -> torch.Tensor:
+    """Summed divergence between two rows of log-probabilities: "forward" KL(teacher || student), which
+    covers every token the teacher gives mass; "reverse" KL(student || teacher), which seeks its modes;
+    "jsd" the generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024), β·KL(teacher || M) +
+    (1 − β)·KL(student || M) with M = β·teacher + (1 − β)·student, between the two."""
+    if kind == "forward":
+        return F.kl_div(student, teacher, log_target=True, reduction="sum")
+    if kind == "reverse":
+        return (student.exp() * (student - teacher)).sum()
+    mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student + math.log(1 - beta)]), dim=0)
+    return (beta * F.kl_div(mixture, teacher, log_target=True, reduction="sum")
+            + (1 - beta) * F.kl_div(mixture, student, log_target=True, reduction="sum"))
+
+
 def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, teacher: TeacherTargets,
                  temperature: float, lm_weight: float = 0.0, repeated: torch.Tensor | None = None,
-                 unlikelihood: float = 0.0) -> torch.Tensor:
-    """Mean over labelled positions of T²·KL(teacher || student) at temperature T, plus lm_weight·NLL,
-    plus unlikelihood·−log(1 − p(token)) at the `repeated` positions ([batch, length] bool, see
-    `repeated_ngram_positions`; the student's own probability at temperature 1)."""
+                 unlikelihood: float = 0.0, kind: Divergence = "forward", beta: float = 0.5) -> torch.Tensor:
+    """Mean over labelled positions of T²·D(teacher, student) at temperature T (D: `divergence`), plus
+    lm_weight·NLL, plus unlikelihood·−log(1 − p(token)) at the `repeated` positions ([batch, length]
+    bool, see `repeated_ngram_positions`; the student's own probability at temperature 1)."""
     from pipeline.lm import LOGIT_CHUNK
 
     hidden, targets = labelled_hidden(hf, input_ids, labels)
@@ -348,8 +363,7 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
         student = F.log_softmax(logits / temperature, dim=-1)
         if teacher.indices is not None:
             student = bucket_logprobs(student, teacher.indices[part])
-        kl = F.kl_div(student, teacher.logprobs[part], log_target=True, reduction="sum")
-        total = total + kl * temperature**2
+        total = total + divergence(student, teacher.logprobs[part], kind, beta) * temperature**2
         if lm_weight:
             total = total + lm_weight * F.cross_entropy(logits, targets[part], reduction="sum")
         if unlikelihood and repeated is not None and repeated[part].any():
@@ -446,7 +460,7 @@ def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_mode
             repeated = repeated_ngram_positions(ids, settings.rollout_prefix) if settings.unlikelihood else None
         teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
         return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight,
-                            repeated, settings.unlikelihood)
+                            repeated, settings.unlikelihood, settings.divergence, settings.jsd_beta)
 
     return distill
 

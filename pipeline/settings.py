@@ -40,6 +40,7 @@ Order = Literal["taylor", "random"]  # "random" is the ablation baseline
 DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Backend = Literal["torch", "deepspeed"]
+Divergence = Literal["forward", "reverse", "jsd"]  # of recovery's distillation (pipeline.recover.divergence)
 Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
 CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.corpus)
 TAYLOR_MODES, LAYER_METHODS, ORDERS = get_args(Taylor), get_args(LayerMethod), get_args(Order)
@@ -140,6 +141,11 @@ class RecoverSettings(StageSettings):
     # weights at level 1.0 with the LoRA off; "lm": the plain next-token loss.
     loss: Literal["distill", "lm"] = "distill"
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
+    # Which divergence between the two (pipeline.recover.divergence): "forward" KL(full || level) covers
+    # every token the full model gives mass; "reverse" seeks its modes (MiniLLM, Gu et al. 2024);
+    # "jsd" is GKD's generalized Jensen-Shannon at `jsd_beta`, between the two.
+    divergence: Divergence = "forward"
+    jsd_beta: float = Field(default=0.5, gt=0.0, lt=1.0)
     top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
     lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
     # On-policy distillation: the share of distillation steps whose text the level writes itself

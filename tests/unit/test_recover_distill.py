@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from pipeline.recover import (
     add_lora,
     corrected_rollout,
     distill_loss,
+    divergence,
     lm_loss,
     make_loss,
     repeated_ngram_positions,
@@ -234,13 +236,14 @@ def test_the_teacher_pass_copies_no_weights_and_is_the_bare_full_model(package):
 
 @pytest.mark.parametrize("top_k", [0, 16])
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_distill_loss_is_zero_for_the_teacher_itself_and_positive_below(package, top_k, temperature):
+@pytest.mark.parametrize("kind", ["forward", "reverse", "jsd"])
+def test_distill_loss_is_zero_for_the_teacher_itself_and_positive_below(package, top_k, temperature, kind):
     ids, labels = _batches(1, seed=3)[0]
     for level, expect_zero in (("1.0", True), ("0.5", False)):
         views, peft_model, _ = _student(package, level)  # peft starts B at zero: the LoRA adds nothing yet
         with torch.no_grad():
             teacher = teacher_targets(views, "1.0", peft_model, ids, labels, temperature, top_k)
-            loss = distill_loss(views.hf, ids, labels, teacher, temperature).item()
+            loss = distill_loss(views.hf, ids, labels, teacher, temperature, kind=kind).item()
         if top_k:
             assert teacher.logprobs.shape == (ids[:, 1:].numel(), top_k + 1)
             assert torch.allclose(teacher.logprobs.exp().sum(-1), torch.ones(ids[:, 1:].numel()), atol=1e-5)
@@ -248,6 +251,40 @@ def test_distill_loss_is_zero_for_the_teacher_itself_and_positive_below(package,
             assert abs(loss) < 1e-6, (level, loss)
         else:
             assert loss > 1e-4, (level, loss)
+
+
+def test_divergences_match_their_definitions():
+    generator = torch.Generator().manual_seed(0)
+    teacher, student = (torch.randn(5, 40, generator=generator).log_softmax(-1) for _ in range(2))
+    p, q = teacher.exp(), student.exp()
+    forward = (p * (teacher - student)).sum()
+    assert divergence(student, teacher, "forward").item() == pytest.approx(forward.item(), rel=1e-5)
+    assert divergence(student, teacher, "reverse").item() == pytest.approx((q * (student - teacher)).sum().item(),
+                                                                          rel=1e-5)
+    assert divergence(teacher, student, "reverse").item() == pytest.approx(forward.item(), rel=1e-5)
+    for beta in (0.5, 0.1):
+        mixture = beta * p + (1 - beta) * q
+        expected = beta * (p * (p / mixture).log()).sum() + (1 - beta) * (q * (q / mixture).log()).sum()
+        assert divergence(student, teacher, "jsd", beta).item() == pytest.approx(expected.item(), rel=1e-5)
+    # JSD at beta 1/2 is at most log 2 a row; every divergence is zero between a row and itself
+    assert divergence(student, teacher, "jsd").item() <= 5 * math.log(2)
+    for kind in ("forward", "reverse", "jsd"):
+        assert abs(divergence(teacher, teacher, kind).item()) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["reverse", "jsd"])
+def test_the_divergence_setting_reaches_the_training_loss_and_trains_only_the_lora(package, kind):
+    views, peft_model, options = _student(package, "0.5", divergence=kind, jsd_beta=0.3)
+    ids, labels = _batches(1, seed=6)[0]
+    with torch.no_grad():
+        teacher = teacher_targets(views, "1.0", peft_model, ids, labels, 1.0, 0)
+        expected = distill_loss(views.hf, ids, labels, teacher, 1.0, kind=kind, beta=0.3).item()
+        forward = distill_loss(views.hf, ids, labels, teacher, 1.0).item()
+    loss = make_loss(options, views, "1.0", peft_model)(ids, labels)
+    assert loss.item() == pytest.approx(expected, rel=1e-5) and expected != pytest.approx(forward, rel=1e-5)
+    loss.backward()
+    moved = {n for n, p in peft_model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert moved and all("lora_" in n for n in moved)
 
 
 def test_distill_loss_adds_the_weighted_lm_loss(package):
@@ -351,7 +388,8 @@ def test_text_windows_match_the_named_corpus_windows(corpus):
                                  {"rollout_prefix": 64, "on_policy": 0.5, "seq_len": 64},
                                  {"unlikelihood": 1.0}, {"unlikelihood": -1.0, "on_policy": 0.5},
                                  {"rollout": "corrected"}, {"rollout": "teacher", "on_policy": 0.5},
-                                 {"correct_top_k": 0, "on_policy": 0.5, "rollout": "corrected"}])
+                                 {"correct_top_k": 0, "on_policy": 0.5, "rollout": "corrected"},
+                                 {"divergence": "kl"}, {"jsd_beta": 1.0}, {"jsd_beta": 0.0}])
 def test_distillation_settings_are_checked(bad):
     with pytest.raises(ValidationError, match=next(iter(bad))):
         RecoverSettings(level="0.5", **bad)
