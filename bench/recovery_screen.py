@@ -1,0 +1,88 @@
+"""One screen of recovery settings: `bench_recovery.py --worker` runs side by side, assembled into a JSON.
+
+A screen changes one thing (the LoRA rank, the corpus, ...) and trains one level per setting on the
+same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS (the worker's --out
+and --corpus); the first is the baseline. LAMBADA and the generation prompts are the same for every
+run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
+paired only between runs on the same corpus. The full model's numbers come from --reference, a
+bench_recovery reference read (recovery.json's `full_model`, or a screen's `quality["1.0"]`).
+
+  .venv/bin/python bench/recovery_screen.py --level 0.7 --what "..." --command "..." \\
+      --run "48 prompts=/tmp/rb48=C48" --run "480 prompts=/tmp/rb480=C480" --out bench/results/X.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from common import ROOT, print_table
+
+from pipeline.lm import paired_ratio
+
+METHOD = "distill"  # the worker's (c); its warm-start twin reuses it at a screen's single level
+
+
+def full_reference(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data["full_model"] if "full_model" in data else data["quality"]["1.0"]
+
+
+def assemble(runs: list[tuple[str, Path, Path]], level: str, reference: dict) -> dict:
+    loaded = {name: (json.loads((out / "runs" / f"{METHOD}.json").read_text()), corpus)
+              for name, out, corpus in runs}
+    baseline, (base_data, base_corpus) = runs[0][0], loaded[runs[0][0]]
+    rows = {}
+    for name, (data, corpus) in loaded.items():
+        quality, train = data["quality"][level], data["runs"][level]
+        shared = ["lambada"] + (["heldout", "validation"] if corpus == base_corpus else [])
+        rows[name] = {
+            "corpus": str(corpus),
+            **{f"{s}_ppl": quality[f"{s}_ppl"] for s in ("lambada", "heldout", "validation")},
+            "repeat4": quality["repeat4"],
+            "repeat4_vs_full": quality["repeat4"] / reference["repeat4"],
+            "lambada_vs_full": paired_ratio(quality["lambada_nlls"], reference["lambada_nlls"]),
+            **{f"{s}_vs_{baseline}": paired_ratio(quality[f"{s}_nlls"], base_data["quality"][level][f"{s}_nlls"])
+               for s in shared},
+            "train_wall_s": train["wall_s"], "train_tokens": train["train_tokens"], "mix": train["mix"],
+            "curve": train["curve"], "sample": quality["sample"],
+        }
+    return {"level": level, "baseline": baseline, "full_lambada_ppl": math.exp(
+        sum(reference["lambada_nlls"]) / len(reference["lambada_nlls"])), "full_repeat4": reference["repeat4"],
+        "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run", action="append", required=True, help="NAME=OUT=CORPUS; the first is the baseline")
+    parser.add_argument("--level", required=True)
+    parser.add_argument("--reference", type=Path, default=ROOT / "bench" / "results" / "recovery-unrecovered-screen.json")
+    parser.add_argument("--what", required=True, help="what the screen changes and holds fixed")
+    parser.add_argument("--command", required=True, help="the worker command line, for a rerun")
+    parser.add_argument("--note", default="", help="the machine, contention, anything a rerun needs to know")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    runs = []
+    for spec in args.run:
+        parts = spec.split("=")
+        if len(parts) != 3:
+            raise SystemExit(f"error: --run takes NAME=OUT=CORPUS, got {spec!r}")
+        runs.append((parts[0], Path(parts[1]), Path(parts[2])))
+    result = {"what": args.what, "command": args.command, "note": args.note,
+              "reference": str(args.reference.relative_to(ROOT)) if args.reference.is_relative_to(ROOT) else
+              str(args.reference), **assemble(runs, args.level, full_reference(args.reference))}
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(args.out)
+    baseline = result["baseline"]
+    print_table(f"recovery screen at level {args.level} (ratios paired by window)", ["run", "LAMBADA ppl", "x full [95%]", f"x {baseline} [95%]", "repeat-4", "x full"],
+                [[name, f"{r['lambada_ppl']:.1f}",
+                  "{ratio:.3f} [{low:.3f}, {high:.3f}]".format(**r["lambada_vs_full"]),
+                  "{ratio:.3f} [{low:.3f}, {high:.3f}]".format(**r[f"lambada_vs_{baseline}"]),
+                  f"{r['repeat4']:.3f}", f"{r['repeat4_vs_full']:.2f}"] for name, r in result["rows"].items()])
+
+
+if __name__ == "__main__":
+    main()
