@@ -4,7 +4,9 @@ A screen changes one thing (the LoRA rank, the corpus, ...) and trains one level
 same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS (the worker's --out
 and --corpus); the first is the baseline. LAMBADA and the generation prompts are the same for every
 run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
-paired only between runs on the same corpus. The full model's numbers come from --reference, a
+paired only between runs on the same corpus. With --decoding, each run's greedy output is also read
+over all 32 prompts by bench_decoding.py (repeat-4 and the full model's NLL of it), against the baseline's
+with a prompt-resampling bootstrap. The full model's numbers come from --reference, a
 bench_recovery reference read (recovery.json's `full_model`, or a screen's `quality["1.0"]`).
 
   .venv/bin/python bench/recovery_screen.py --level 0.7 --what "..." --command "..." \\
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 from pathlib import Path
 
 from common import ROOT, print_table
@@ -54,6 +57,37 @@ def assemble(runs: list[tuple[str, Path, Path]], level: str, reference: dict) ->
         "rows": rows}
 
 
+def greedy_reads(path: Path, level: str, baseline_path: Path | None, resamples: int = 4000) -> dict:
+    """One run's greedy output over all the prompts of a bench_decoding file (repeat-4 and judge NLL, pooled),
+    and, against the baseline's file, the difference with a 95% bootstrap interval that resamples prompts
+    (the same prompts on both sides)."""
+    def load(file: Path) -> list[dict]:
+        return json.loads(file.read_text())["levels"][level]["runs"]["greedy"]
+
+    def pooled(rows: list[dict]) -> tuple[float, float]:
+        return (sum(r["repeated_4grams"] for r in rows) / sum(r["four_grams"] for r in rows),
+                sum(r["judge_nll_sum"] for r in rows) / sum(r["tokens"] for r in rows))
+
+    rows = load(path)
+    repeat4, judge = pooled(rows)
+    result = {"prompts": len(rows), "repeat4": repeat4, "judge_nll": judge}
+    if baseline_path is not None and baseline_path != path:
+        base = load(baseline_path)
+        if [r["prompt"] for r in base] != [r["prompt"] for r in rows]:
+            raise SystemExit(f"error: {path} and {baseline_path} hold different prompts")
+        generator, draws = random.Random(0), []
+        for _ in range(resamples):
+            picked = [generator.randrange(len(rows)) for _ in rows]
+            ours, theirs = pooled([rows[i] for i in picked]), pooled([base[i] for i in picked])
+            draws.append((ours[0] - theirs[0], ours[1] - theirs[1]))
+        base_repeat, base_judge = pooled(base)
+        for index, (name, value) in enumerate((("repeat4", repeat4 - base_repeat), ("judge_nll", judge - base_judge))):
+            ordered = sorted(d[index] for d in draws)
+            result[f"{name}_minus_baseline"] = {"difference": value, "low": ordered[int(0.025 * (resamples - 1))],
+                                                "high": ordered[round(0.975 * (resamples - 1))]}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", action="append", required=True, help="NAME=OUT=CORPUS; the first is the baseline")
@@ -62,6 +96,8 @@ def main() -> None:
     parser.add_argument("--what", required=True, help="what the screen changes and holds fixed")
     parser.add_argument("--command", required=True, help="the worker command line, for a rerun")
     parser.add_argument("--note", default="", help="the machine, contention, anything a rerun needs to know")
+    parser.add_argument("--decoding", action="append", default=[],
+                        help="NAME=FILE: a `bench_decoding.py --settings greedy` read of that run's package")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = []
@@ -73,6 +109,12 @@ def main() -> None:
     result = {"what": args.what, "command": args.command, "note": args.note,
               "reference": str(args.reference.relative_to(ROOT)) if args.reference.is_relative_to(ROOT) else
               str(args.reference), **assemble(runs, args.level, full_reference(args.reference))}
+    decoding = dict(spec.split("=", 1) for spec in args.decoding)
+    if set(decoding) - set(result["rows"]):
+        raise SystemExit(f"error: --decoding names no run: {sorted(set(decoding) - set(result['rows']))}")
+    baseline_file = Path(decoding[result["baseline"]]) if result["baseline"] in decoding else None
+    for name, file in decoding.items():
+        result["rows"][name]["greedy_all_prompts"] = greedy_reads(Path(file), args.level, baseline_file)
     tmp = args.out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(args.out)
