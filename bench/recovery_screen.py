@@ -109,6 +109,8 @@ def main() -> None:
     result = {"what": args.what, "command": args.command, "note": args.note,
               "reference": str(args.reference.relative_to(ROOT)) if args.reference.is_relative_to(ROOT) else
               str(args.reference), **assemble(runs, args.level, full_reference(args.reference))}
+    if any("=" not in spec for spec in args.decoding):
+        raise SystemExit(f"error: --decoding takes NAME=FILE, got {args.decoding!r}")
     decoding = dict(spec.split("=", 1) for spec in args.decoding)
     if set(decoding) - set(result["rows"]):
         raise SystemExit(f"error: --decoding names no run: {sorted(set(decoding) - set(result['rows']))}")
@@ -119,7 +121,8 @@ def main() -> None:
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(args.out)
     baseline = result["baseline"]
-    print_table(f"recovery screen at level {args.level} (ratios paired by window)", ["run", "LAMBADA ppl", "x full [95%]", f"x {baseline} [95%]", "repeat-4", "x full"],
+    print_table(f"recovery screen at level {args.level} (ratios paired by window)",
+                ["run", "LAMBADA ppl", "x full [95%]", f"x {baseline} [95%]", "repeat-4", "x full"],
                 [[name, f"{r['lambada_ppl']:.1f}",
                   "{ratio:.3f} [{low:.3f}, {high:.3f}]".format(**r["lambada_vs_full"]),
                   "{ratio:.3f} [{low:.3f}, {high:.3f}]".format(**r[f"lambada_vs_{baseline}"]),

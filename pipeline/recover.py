@@ -8,8 +8,8 @@ B [out_active, r], exactly what `adapters/recovery/<level>.safetensors` holds.
 
 The loss is by default distillation: the teacher is the same weights at level 1.0 (the views
 re-pointed at the whole storage, the LoRA bypassed), under no_grad; the student is the level
-with its LoRA; KL(teacher || student) (or the reverse KL, or GKD's JSD) at a temperature, optionally over the teacher's top-k,
-plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
+with its LoRA; KL(teacher || student) (or the reverse KL, or GKD's JSD: `divergence`) at a
+temperature, optionally over the teacher's top-k, plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
 the LoRA starts from the next larger level's, cut to this level's prefix.
 
 Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.corpus) or
