@@ -112,13 +112,14 @@ def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
 
 
 def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperature: float,
-          steps: int = 100) -> tuple[Path, float]:
+          steps: int = 100, init: str = "prior") -> tuple[Path, float]:
     """(trained TLM dir, the stage's wall seconds); a finished run under `out` is reused."""
     timing = out / "wall_seconds.json"
     if timing.is_file():
         return out / "tlm", json.loads(timing.read_text())["seconds"]
     started = time.perf_counter()
-    settings = tlm.DecisionSettings(head=head, steps=steps, batch_size=16, seed=seed, margin_temperature=temperature)
+    settings = tlm.DecisionSettings(head=head, steps=steps, batch_size=16, seed=seed, margin_temperature=temperature,
+                                    utility_init=init)
     done = tlm.run_decision({"tlm": score, "labels": labels}, settings, StageContext(work_dir=out))["tlm"]
     seconds = time.perf_counter() - started
     timing.write_text(json.dumps({"seconds": seconds}))
@@ -144,6 +145,16 @@ def choose(head: str, model, tokenizer, prompt: str, tokens: int, slo, ratios, l
     else:
         r, m, _ = best_utility_cell(tlm.utility(model, tokenizer, prompt), ratios, levels, ok,
                                     lambda r, m: latency.cost_rank(profile, m, r, tokens, kept))
+    return ratios.index(r), levels.index(m)
+
+
+def best_cell(base_rate: torch.Tensor, cells: list[tuple[int, int]], ratios, levels, profile, tokens: int,
+              kept: int) -> tuple[int, int]:
+    """The feasible cell (grid indices among `cells`) with the best held-in accuracy, ties to the cheaper,
+    as the SDK picks by utility: the static rule a utility head must beat."""
+    feasible = {(ratios[r], levels[m]) for r, m in cells}
+    r, m, _ = best_utility_cell(base_rate, ratios, levels, lambda r, m: (r, m) in feasible,
+                                lambda r, m: latency.cost_rank(profile, m, r, tokens, kept))
     return ratios.index(r), levels.index(m)
 
 
@@ -179,6 +190,8 @@ def main() -> None:
     parser.add_argument("--heads", default="slo_token,utility,utility T=0 (0/1 labels)",
                         help="which of the three to train and compare")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--no-timing", dest="timing", action="store_false",
+                        help="skip the two heads' 10-step stage timing")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "decision_head.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -198,25 +211,32 @@ def main() -> None:
                                                for k in keys])
     profile = label.load_profile({"latency": lat})
     kept = kept_tokens(package, meta["items"])
-    heads = {"slo_token": ("slo_token", args.margin_temperature), "utility": ("utility", args.margin_temperature),
-             "utility T=0 (0/1 labels)": ("utility", 0.0)}
+    heads = {"slo_token": ("slo_token", args.margin_temperature, "prior"),
+             "utility": ("utility", args.margin_temperature, "prior"),
+             "utility (random init)": ("utility", args.margin_temperature, "random"),
+             "utility T=0 (0/1 labels)": ("utility", 0.0, "prior")}
     heads = {name: heads[name] for name in args.heads.split(",")}
-    # row name -> (head name, head, temperature, held-in items per task); several sizes name rows by their items
-    heads = {(f"{name} @{size * len(tasks)}" if len(sizes) > 1 else name): (name, head, temperature, size)
-             for size in sizes for name, (head, temperature) in heads.items()}
+    # row name -> (head name, head, temperature, init, held-in items per task); several sizes name rows by
+    # their items
+    heads = {(f"{name} @{size * len(tasks)}" if len(sizes) > 1 else name): (name, head, temperature, init, size)
+             for size in sizes for name, (head, temperature, init) in heads.items()}
     # per head: [item] accuracy averaged over classes and seeds
     per_item = {name: torch.zeros(len(meta["items"])) for name in heads}
     per_class = {name: {str(slo): 0.0 for slo in SLO_CLASSES} for name in heads}
     stage_seconds = {}  # the decision stage's wall time per head (seed 0), at the demo's 100 steps × 16
     seeds = {name: args.slo_token_seeds or args.seeds if head == "slo_token" else args.seeds
-             for name, (_, head, _, _) in heads.items()}
-    for name, (_, head, temperature, size) in heads.items():
+             for name, (_, head, _, _, _) in heads.items()}
+    kept_steps = {}  # the utility heads' step kept by held-in validation, per seed (0: the prior)
+    for name, (_, head, temperature, init, size) in heads.items():
         for seed in range(seeds[name]):
             trained, seconds = train(score, labels[size], head, seed,
-                                     out / f"decision-{head}-{temperature}-{seed}"
+                                     out / f"decision-{head}-{temperature}-{init}-{seed}"
                                            f"{held_in_tag(tasks, args.shots, size)}-{args.steps}steps",
-                                     temperature, args.steps)
+                                     temperature, args.steps, init)
             stage_seconds.setdefault(name, seconds)
+            if head == "utility":
+                kept_steps.setdefault(name, []).append(
+                    json.loads((trained.parent / "tlm-decision.json").read_text())["kept_step"])
             model, tokenizer = tlm.load_tlm(trained)
             for slo in SLO_CLASSES:
                 for i, item in enumerate(meta["items"]):
@@ -225,15 +245,23 @@ def main() -> None:
                     hit = float(correct[i, r, m])
                     per_item[name][i] += hit / (seeds[name] * len(SLO_CLASSES))
                     per_class[name][str(slo)] += hit / (seeds[name] * len(meta["items"]))
-    # reference rows: random feasible (its expectation) and the oracle, no training
-    for name in ("random feasible", "oracle"):
+    # reference rows, no training: random feasible (its expectation), the oracle, and per held-in size the
+    # strongest simple policy, the feasible cell with the best held-in accuracy (the same for every prompt)
+    base_rates = {size: torch.tensor([cell["correct"] for cell in json.loads(labels[size].read_text())["cells"]],
+                                     dtype=torch.float32).mean(0) for size in sizes}
+    static = {(f"held-in best cell @{size * len(tasks)}" if len(sizes) > 1 else "held-in best cell"): size
+              for size in sizes}
+    for name in ("random feasible", "oracle", *static):
         per_item[name] = torch.zeros(len(meta["items"]))
         per_class[name] = {str(slo): 0.0 for slo in SLO_CLASSES}
     for slo in SLO_CLASSES:
         for i in range(len(meta["items"])):
             cells = label.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo, kept[i])
             hits = [float(correct[i, r, m]) for r, m in cells] or [float(correct[i, 0, 0])]
-            for name, value in (("random feasible", statistics.fmean(hits)), ("oracle", max(hits))):
+            picks = {name: float(correct[i][best_cell(base_rates[size], cells, meta["ratios"], meta["levels"],
+                                                      profile, int(tokens[i]), kept[i])])
+                     for name, size in static.items()}
+            for name, value in (("random feasible", statistics.fmean(hits)), ("oracle", max(hits)), *picks.items()):
                 per_item[name][i] += value / len(SLO_CLASSES)
                 per_class[name][str(slo)] += value / len(meta["items"])
 
@@ -244,9 +272,12 @@ def main() -> None:
         return lambda: tlm.run_decision({"tlm": score, "labels": labels[sizes[0]]}, settings,
                                         StageContext(work_dir=out / f"short-{head}"))
 
-    short = interleaved_medians({head: short_stage(head) for head in ("slo_token", "utility")}, repeats=3, warmup=1)
-    print("decision stage at 10 steps × 16, interleaved medians: "
-          + ", ".join(f"{head} {seconds:.1f} s" for head, seconds in short.items()))
+    short = None
+    if args.timing:
+        short = interleaved_medians({head: short_stage(head) for head in ("slo_token", "utility")}, repeats=3,
+                                    warmup=1)
+        print("decision stage at 10 steps × 16, interleaved medians: "
+              + ", ".join(f"{head} {seconds:.1f} s" for head, seconds in short.items()))
 
     n = len(meta["items"])
     rows = []
@@ -259,12 +290,14 @@ def main() -> None:
                 ["head", "overall", *map(str, SLO_CLASSES)], rows)
     pairs = []  # (row, rival): the utility heads against the SLO-token head and random feasible, per size
     for size in sizes:
-        rows = {base: name for name, (base, _, _, s) in heads.items() if s == size}
-        pairs += [(row, rival) for rival in (rows.get("slo_token"), "random feasible") if rival
+        rows = {base: name for name, (base, _, _, _, s) in heads.items() if s == size}
+        static_row = next(name for name, s in static.items() if s == size)
+        pairs += [(row, rival) for rival in (rows.get("slo_token"), "random feasible", static_row) if rival
                   for base, row in rows.items() if base != "slo_token"]
+        pairs += [(rows["utility"], rows["utility (random init)"])] if {"utility", "utility (random init)"} <= set(rows) else []
     for small, large in itertools.pairwise(sizes):  # and what labelling more items buys each head
-        pairs += [(name, rival) for name, (base, _, _, s) in heads.items() if s == large
-                  for rival, (other, _, _, s2) in heads.items() if s2 == small and other == base]
+        pairs += [(name, rival) for name, (base, _, _, _, s) in heads.items() if s == large
+                  for rival, (other, _, _, _, s2) in heads.items() if s2 == small and other == base]
     paired = {}
     for name, rival in pairs:
         mean, se = mean_se((per_item[name] - per_item[rival]).tolist())
@@ -276,7 +309,8 @@ def main() -> None:
                "train_items_per_task": sizes, "test_items_per_task": args.test_items, "shots": args.shots,
                "decision_steps": args.steps,
                "margin_temperature": args.margin_temperature, "threads": args.threads,
-               "heads": summary, "paired": paired, "decision_stage_seconds": stage_seconds,
+               "heads": summary, "paired": paired, "utility_kept_steps": kept_steps,
+               "decision_stage_seconds": stage_seconds,
                "decision_stage_seconds_10_steps_interleaved": short,
                "grid_accuracy_held_out": correct.float().mean(0).tolist()}
     args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -193,6 +193,9 @@ class TLM:
         self.decision_head = config.get("decision_head", "slo_token")
         if self.decision_head not in ("slo_token", "utility"):
             raise TLMError(f"this SDK does not know the decision head {self.decision_head!r}; update elastify-device")
+        # A utility head kept at its prior (zero weights: on held-in items no training beat the cells' base
+        # rates) says the same for every prompt, so a decision need not run the encoder at all.
+        self.prompt_blind = self.decision_head == "utility" and not tensors["utility_head.weight"].any()
 
     @classmethod
     def load(cls, tlm_dir: Path) -> TLM:
@@ -254,6 +257,8 @@ class TLM:
         """[ratios, levels]: the utility head's probability that each cell answers `prompt` right."""
         if self.decision_head != "utility":
             raise TLMError("this TLM's decision head is 'slo_token'; it predicts no utilities")
+        if self.prompt_blind:
+            return self.encoder.tensors["utility_head.bias"].sigmoid().view(len(self.ratios), len(self.levels))
         pooled = self._branch(self._decision_ids("", prompt), self.decision_layers)[0]
         return self._head(pooled, "utility_head").sigmoid().view(len(self.ratios), len(self.levels))
 

@@ -218,6 +218,12 @@ class DecisionSettings(StageSettings):
     rule: Literal["capable", "lightest"] = "capable"  # which derived labels the slo_token head trains on
     # utility targets are sigmoid(margin / T): T > 0 softens lucky right answers; 0 trains on 0/1 correctness
     margin_temperature: float = Field(default=0.5, ge=0.0)
+    # The utility head's start: "prior" sets every cell's logit to its held-in mean target (weights zero),
+    # so training learns only how an item departs from its cell's base rate; "random": nn.Linear's init.
+    utility_init: Literal["prior", "random"] = "prior"
+    # utility head: this share of the held-in items is kept out of training, and the weights with the
+    # lowest loss on it are kept (the start included); 0 keeps the last step's
+    validation_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     steps: PositiveInt = 300
     batch_size: PositiveInt = 16
     lr: PositiveFloat = 1e-4

@@ -499,15 +499,33 @@ def _padded_features(features: list[torch.Tensor]) -> tuple[torch.Tensor, torch.
     return hidden, mask
 
 
+@dataclass
+class UtilityFit:
+    """What `train_utility_head` did: the training loss per step, the held-in validation loss where it
+    was read ((step, loss), step 0 being the start), and the step whose weights it kept."""
+
+    losses: list[float]
+    validation: list[tuple[int, float]]
+    kept_step: int
+
+
 def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps: int, batch_size: int = 16,
                        lr: float = 1e-4, margin_temperature: float = 0.5, seed: int = 0,
                        ratios: Sequence[float] | None = None, levels: Sequence[str] | None = None,
-                       ctx: StageContext | None = None) -> list[float]:
+                       init: str = "prior", validation_fraction: float = 0.2,
+                       ctx: StageContext | None = None) -> UtilityFit:
     """Train the decision layers and the utility head on per-item cell targets (`utility_targets`)
     with binary cross-entropy, over trunk features computed once per prompt. `ratios` × `levels`: the
-    labelled grid, which becomes the head's (default: the TLM's grid)."""
+    labelled grid, which becomes the head's (default: the TLM's grid). `init` "prior" starts the head
+    at each cell's base rate over the training items (`init_at_prior`), "random" at nn.Linear's init.
+
+    A seeded `validation_fraction` of the items is held out of training and read at the start and ten
+    times along the way; the weights with the lowest loss there are kept. The start (the prior) is a
+    candidate: training has to beat the cells' base rates on items it never saw to be kept."""
     if not cells:
         raise TLMError("no utility-head training items")
+    if init not in ("prior", "random"):
+        raise TLMError(f"init must be 'prior' or 'random', got {init!r}")
     tlm.use_utility_head(ratios, levels)
     grid = (len(tlm.config.ratio_grid), len(tlm.config.level_grid))
     for cell in cells:
@@ -515,15 +533,37 @@ def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps:
             raise TLMError(f"item {cell.get('item')} was labelled on a grid of shape "
                            f"{tuple(torch.tensor(cell['correct']).shape)}, the TLM's is {grid}")
     targets = utility_targets(cells, margin_temperature)
+    generator = torch.Generator().manual_seed(seed)
+    shuffled = torch.randperm(len(cells), generator=generator).tolist()
+    held = int(len(cells) * validation_fraction)
+    held = held if 0 < held < len(cells) else 0
+    validation, train = shuffled[:held], shuffled[held:]
+    if init == "prior":
+        init_at_prior(tlm.utility_head, targets[train])
     features = trunk_features(tlm, tokenizer, [cell["prompt"] for cell in cells])
     params = [*tlm.decision_layers.parameters(), *tlm.utility_head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    generator = torch.Generator().manual_seed(seed)
+    branch = {"decision_layers": tlm.decision_layers, "utility_head": tlm.utility_head}
+
+    @torch.no_grad()
+    def validation_loss() -> float:
+        tlm.eval()
+        hidden, mask = _padded_features([features[i] for i in validation])
+        loss = F.binary_cross_entropy_with_logits(tlm.utility_logits(hidden, mask), targets[validation]).item()
+        tlm.train()
+        return loss
+
+    def snapshot() -> dict:
+        return {name: copy.deepcopy(module.state_dict()) for name, module in branch.items()}
+
+    read_every = max(1, steps // 10)
+    read = [(0, validation_loss())] if validation else []
+    kept = (0, snapshot()) if validation else (steps, None)
     tlm.train()
     losses, order = [], []
     for step in range(1, steps + 1):
         if len(order) < batch_size:
-            order += torch.randperm(len(cells), generator=generator).tolist()
+            order += [train[i] for i in torch.randperm(len(train), generator=generator).tolist()]
         batch, order = order[:batch_size], order[batch_size:]
         hidden, mask = _padded_features([features[i] for i in batch])
         loss = F.binary_cross_entropy_with_logits(tlm.utility_logits(hidden, mask), targets[batch])
@@ -531,10 +571,28 @@ def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if validation and (step % read_every == 0 or step == steps):
+            read.append((step, validation_loss()))
+            if read[-1][1] < min(loss for _, loss in read[:-1]):
+                kept = (step, snapshot())
         if ctx is not None:
             ctx.report("tlm-decision", step, steps)
+    if validation:
+        for name, module in branch.items():
+            module.load_state_dict(kept[1][name])
     tlm.eval()
-    return losses
+    return UtilityFit(losses=losses, validation=read, kept_step=kept[0])
+
+
+@torch.no_grad()
+def init_at_prior(head: nn.Linear, targets: torch.Tensor, floor: float = 1e-3) -> None:
+    """Zero the head's weights and set each cell's bias to the logit of its mean target over `targets`
+    [items, ratios, levels]. A randomly initialised head ranks cells by its random start until
+    training overrides it, which the demo's 100 steps at lr 1e-4 need not do; at the prior, every
+    prompt starts at its cell's base rate (the level and ratio effect the labels measure), and the
+    weights grow only as far as prompts explain their departures from it."""
+    head.weight.zero_()
+    head.bias.copy_(torch.logit(targets.mean(0).flatten().clamp(floor, 1 - floor)))
 
 
 @torch.no_grad()
@@ -611,14 +669,17 @@ def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageC
         if "cells" not in labels:
             raise TLMError("the labels predate per-cell labels (no 'cells'); relabel, or use head 'slo_token'")
         started = time.perf_counter()
-        losses = train_utility_head(tlm, tokenizer, labels["cells"], steps=options.steps,
-                                    batch_size=options.batch_size, lr=options.lr,
-                                    margin_temperature=options.margin_temperature, seed=options.seed,
-                                    ratios=labels["ratios"], levels=labels["levels"], ctx=ctx)
+        fit = train_utility_head(tlm, tokenizer, labels["cells"], steps=options.steps,
+                                 batch_size=options.batch_size, lr=options.lr,
+                                 margin_temperature=options.margin_temperature, seed=options.seed,
+                                 ratios=labels["ratios"], levels=labels["levels"], init=options.utility_init,
+                                 validation_fraction=options.validation_fraction, ctx=ctx)
         seconds = time.perf_counter() - started
         out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
-        metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labels["cells"]),
-                   "head": "utility", "margin_temperature": options.margin_temperature, "train_seconds": seconds}
+        metrics = {"loss_first": fit.losses[0], "loss_last": fit.losses[-1], "examples": len(labels["cells"]),
+                   "head": "utility", "margin_temperature": options.margin_temperature,
+                   "init": options.utility_init, "validation": fit.validation, "kept_step": fit.kept_step,
+                   "train_seconds": seconds}
         atomic_write_bytes(ctx.work_dir / "tlm-decision.json", json.dumps(metrics, indent=2).encode())
         return {"tlm": out, "metrics": ctx.work_dir / "tlm-decision.json"}
     if options.rule not in labels["rules"]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import time
@@ -142,6 +143,89 @@ def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, m
     with pytest.raises(ValueError, match="cells"):
         tlm.run_decision({"tlm": score_dir, "labels": tmp_path / "old.json"}, tlm.DecisionSettings(head="utility"),
                          quiet_context(tmp_path / "old"))
+
+
+def test_a_prior_initialised_head_starts_at_each_cells_base_rate_and_keeps_its_order(tmp_path):
+    """At the prior every prompt reads each cell's held-in mean target; after the demo's small lr the
+    order of the base rates still holds on an unseen prompt, where a random start ranks cells by noise."""
+    from pipeline import tlm
+
+    model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
+    ratios = [0.5, 1.0]
+    base_rate = torch.tensor([[0.2, 0.5, 0.7], [0.3, 0.6, 0.9]])  # [ratios, levels]: more is righter
+    items = 24
+    generator = torch.Generator().manual_seed(0)
+    # 0/1 correctness at exactly the base rates, the right items of each cell a seeded draw of its own:
+    # the labels hold no signal but the cell
+    right = torch.zeros(items, *base_rate.shape, dtype=torch.bool)
+    for r, m in itertools.product(range(len(ratios)), range(len(LEVELS))):
+        right[torch.randperm(items, generator=generator)[: round(items * base_rate[r, m].item())], r, m] = True
+    cells = [{"item": f"i{k}", "prompt": f"Question: what is item {k}?\nAnswer:", "correct": right[k].tolist()}
+             for k in range(items)]
+    targets = tlm.utility_targets(cells, margin_temperature=0.0)
+    model.use_utility_head(ratios, LEVELS)
+    tlm.init_at_prior(model.utility_head, targets)
+    for prompt in PROMPTS:
+        assert torch.allclose(tlm.utility(model, tokenizer, prompt), targets.mean(0), atol=1e-6)
+
+    tlm.train_utility_head(model, tokenizer, cells, steps=20, batch_size=8, lr=1e-4, margin_temperature=0.0,
+                           ratios=ratios, levels=LEVELS, init="prior", validation_fraction=0.0)
+    order = targets.mean(0).flatten().argsort()
+    predicted = tlm.utility(model, tokenizer, "Question: which planet is largest?\nAnswer:").flatten()
+    assert torch.equal(predicted.argsort(), order)
+    assert (predicted - targets.mean(0).flatten()).abs().max() < 0.1
+    with pytest.raises(ValueError, match="init"):
+        tlm.train_utility_head(model, tokenizer, cells, steps=1, ratios=ratios, levels=LEVELS, init="zeros")
+    assert tlm.DecisionSettings().utility_init == "prior"
+
+
+def test_held_in_validation_keeps_the_best_read_weights_and_a_fit_only_where_the_prompt_explains():
+    """Training that ruins the head (an absurd lr) is not kept: the head comes back exactly at its
+    prior. Labels the prompt explains (hard questions are wrong at the small level): training goes
+    on, and the head tells the two kinds apart on prompts it never saw."""
+    from pipeline import tlm
+
+    model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
+    ratios = [1.0]
+    generator = torch.Generator().manual_seed(1)
+    noise = [{"item": f"n{k}", "prompt": f"Question: what is item {k}?\nAnswer:",
+              "correct": (torch.rand(1, len(LEVELS), generator=generator) < 0.5).tolist()} for k in range(30)]
+    fit = tlm.train_utility_head(model, tokenizer, noise, steps=20, batch_size=8, lr=1.0, margin_temperature=0.0,
+                                 ratios=ratios, levels=LEVELS)
+    assert fit.kept_step == 0 and len(fit.validation) == 11
+    assert all(loss > fit.validation[0][1] for _, loss in fit.validation[1:])
+    assert torch.count_nonzero(model.utility_head.weight) == 0  # the prior's weights, restored
+
+    def item(k, hard):
+        kind = "Hard question: prove the theorem" if hard else "Easy question: say hello"
+        return {"item": f"s{k}", "prompt": f"{kind} number {k}.\nAnswer:", "correct": [[not hard, True, True]]}
+
+    signal = [item(k, hard=k % 2 == 0) for k in range(30)]
+    fit = tlm.train_utility_head(model, tokenizer, signal, steps=60, batch_size=8, lr=1e-3, margin_temperature=0.0,
+                                 ratios=ratios, levels=LEVELS)
+    assert fit.kept_step > 0 and dict(fit.validation)[fit.kept_step] == min(loss for _, loss in fit.validation)
+    easy = tlm.utility(model, tokenizer, "Easy question: say goodbye number 77.\nAnswer:")[0, 0]
+    hard = tlm.utility(model, tokenizer, "Hard question: prove the lemma number 78.\nAnswer:")[0, 0]
+    assert easy > 0.7 and hard < 0.3
+
+
+def test_a_head_kept_at_its_prior_is_served_without_running_the_encoder(tmp_path, utility_pair, monkeypatch):
+    from pipeline import tlm
+
+    model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
+    model.use_utility_head([0.5, 1.0], LEVELS)
+    targets = torch.tensor([[[0.1, 0.4, 0.6], [0.2, 0.5, 0.9]]])
+    tlm.init_at_prior(model.utility_head, targets)
+    sdk = TLM.load(tlm.save_tlm(model, tokenizer, tmp_path / "tlm"))
+    assert sdk.prompt_blind and not TLM.load(utility_pair[2]).prompt_blind
+
+    def no_encoder(*args, **kwargs):
+        raise AssertionError("the encoder ran")
+
+    monkeypatch.setattr(TLM, "_branch", no_encoder)
+    for prompt in PROMPTS:
+        assert torch.allclose(sdk.utility(prompt), targets[0], atol=1e-5)
+        assert torch.allclose(sdk.utility(prompt), tlm.utility(model, tokenizer, prompt), atol=1e-5)
 
 
 # --------------------------------------------------------------------------- the mask and the choice
