@@ -28,8 +28,8 @@ The corpus is generated once by the full model and cached by content hash under
 ~/.cache/elastify/bench/. Three worker processes train side by side, one thread each ((a)+(b), (c)+(d),
 (e)); on 2 cores they share.
 
-  .venv/bin/python bench/bench_recovery.py --steps 48 --lambada-windows 48 --compare-calibration none
-                                                                 # the committed run (~40 min, 2 cores)
+  .venv/bin/python bench/bench_recovery.py --steps 384 --lr 2e-3 --dropout 0 --lambada-windows 48 \
+      --compare-calibration none --no-compare-previous             # the committed run (~100 min, 2 cores)
   .venv/bin/python bench/bench_recovery.py --steps 2 --smoke     # end-to-end check, minutes
 """
 
@@ -572,7 +572,7 @@ def main() -> None:
     parser.add_argument("--onpolicy", action="store_true",
                         help="also run (e) as a third worker (screened without gain: bench/results/recovery-onpolicy-screen.json)")
     parser.add_argument("--second-seed", type=int, help="also train (c) at the lowest level with this seed")
-    parser.add_argument("--prompts", type=int, default=48, help="corpus prompts the full model answers")
+    parser.add_argument("--prompts", type=int, default=480, help="corpus prompts the full model answers")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="per corpus answer")
     parser.add_argument("--lambada-windows", type=int, default=24)
     parser.add_argument("--heldout-windows", type=int, default=16)
