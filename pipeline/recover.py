@@ -42,6 +42,7 @@ from device_sdk.lora import tensor_names as lora_tensor_names
 from pipeline.calibration import make_windows, mixed_windows
 from pipeline.contract import StageSettings
 from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
+from pipeline.precision import autocast, training_dtype
 from pipeline.settings import Divergence, RecoverSettings
 from pipeline.stage import StageContext
 
@@ -229,29 +230,6 @@ LOG_FLOOR = -1e4
 
 def training_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere bf16 is emulated and slower."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
-
-
-def training_dtype(settings: RecoverSettings, device: torch.device) -> torch.dtype:
-    """The dtype recovery computes in: bf16 on CUDA and on CPUs with native bf16, unless `precision` pins one."""
-    if settings.precision == "float32":
-        return torch.float32
-    if settings.precision == "bfloat16" or device.type == "cuda" or cpu_has_native_bf16():
-        return torch.bfloat16
-    return torch.float32
-
-
-def autocast(device: torch.device, dtype: torch.dtype):
-    """bf16 autocast (CUDA, or a CPU with native bf16: the same code path); fp32 runs as it is."""
-    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
 
 
 def decoding_precision(hf: nn.Module):
@@ -514,7 +492,7 @@ def train_torch(peft_model, hf, batches, settings: RecoverSettings, ctx: StageCo
     """AdamW on the LoRA parameters; `loss_fn(ids, labels)` defaults to the LM loss (see make_loss)."""
     loss_fn = loss_fn or (lambda ids, labels: lm_loss(hf, ids, labels))
     device = _model_device(hf)
-    dtype = training_dtype(settings, device)
+    dtype = training_dtype(settings.precision, device)
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(settings))
@@ -578,7 +556,7 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
         # which the teacher's level switches need anyway.
         views.use(views.level)
     engine.train()
-    dtype = training_dtype(settings, device)
+    dtype = training_dtype(settings.precision, device)
     losses = []
     for step, (ids, labels) in enumerate(batches, 1):
         with autocast(device, dtype):

@@ -40,6 +40,9 @@ Order = Literal["taylor", "random"]  # "random" is the ablation baseline
 DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Backend = Literal["torch", "deepspeed"]
+# "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), fp32
+# elsewhere (pipeline.precision)
+Precision = Literal["auto", "float32", "bfloat16"]
 Divergence = Literal["forward", "reverse", "jsd"]  # of recovery's distillation (pipeline.recover.divergence)
 Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
 CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.corpus)
@@ -133,7 +136,7 @@ class RecoverSettings(StageSettings):
     # "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), where a
     # step takes about half the time of fp32 (bench/bench_recovery.py); fp32 elsewhere. The base weights
     # stay in their stored dtype and the LoRA in fp32 either way; evaluation always runs in fp32.
-    precision: Literal["auto", "float32", "bfloat16"] = "auto"
+    precision: Precision = "auto"
     backend: Backend = "torch"
     # ZeRO stage 3 would partition the shared base weights, which every level views.
     zero_stage: Literal[0, 1, 2] = 2
@@ -209,6 +212,7 @@ class ScoreSettings(StageSettings):
     batch_size: PositiveInt = 8
     lr: PositiveFloat = 5e-5
     seed: int = 0
+    precision: Precision = "auto"  # of training (pipeline.precision); the TLM is saved and served in fp32
 
 
 class DecisionSettings(StageSettings):
@@ -228,6 +232,7 @@ class DecisionSettings(StageSettings):
     batch_size: PositiveInt = 16
     lr: PositiveFloat = 1e-4
     seed: int = 0
+    precision: Precision = "auto"  # of training (pipeline.precision); the TLM is saved and served in fp32
 
 
 class LabelSettings(StageSettings):

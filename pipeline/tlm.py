@@ -55,7 +55,8 @@ from device_sdk.tlm import (
     word_spans,
     words_of,
 )
-from pipeline.settings import RATIO_GRID, DecisionSettings, ScoreSettings
+from pipeline.precision import autocast, training_dtype
+from pipeline.settings import RATIO_GRID, DecisionSettings, Precision, ScoreSettings
 from pipeline.stage import StageContext
 
 TTFT_BINS = [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
@@ -314,12 +315,14 @@ def score_examples(tokenizer, texts_and_labels: list[tuple[str, list[int]]], max
 
 
 def train_score_head(tlm: DualHeadTLM, tokenizer, texts_and_labels, *, steps: int, batch_size: int = 8,
-                     lr: float = 5e-5, seed: int = 0, ctx: StageContext | None = None) -> list[float]:
+                     lr: float = 5e-5, seed: int = 0, precision: Precision = "auto",
+                     ctx: StageContext | None = None) -> list[float]:
     examples = score_examples(tokenizer, texts_and_labels, tlm.config.max_length)
     if not examples:
         raise TLMError("no score-head training examples")
     params = list(tlm.score_layers.parameters()) + list(tlm.score_head.parameters())
-    return _train(tlm, examples, steps, batch_size, lr, seed, params, _score_loss, tokenizer, ctx, "tlm-score")
+    return _train(tlm, examples, steps, batch_size, lr, seed, params, _score_loss, tokenizer, ctx, "tlm-score",
+                  precision)
 
 
 def _score_loss(tlm, ids, mask, labels):
@@ -327,7 +330,10 @@ def _score_loss(tlm, ids, mask, labels):
     return F.cross_entropy(logits.reshape(-1, 2), labels.reshape(-1), ignore_index=-100)
 
 
-def _train(tlm, examples, steps, batch_size, lr, seed, params, loss_fn, tokenizer, ctx, task) -> list[float]:
+def _train(tlm, examples, steps, batch_size, lr, seed, params, loss_fn, tokenizer, ctx, task,
+           precision: Precision) -> list[float]:
+    cpu = torch.device("cpu")
+    dtype = training_dtype(precision, cpu)
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     pad = tokenizer.pad_token_id or 0
@@ -341,7 +347,8 @@ def _train(tlm, examples, steps, batch_size, lr, seed, params, loss_fn, tokenize
         ids = _pad([b[0] for b in batch], pad)
         mask = _pad([[1] * len(b[0]) for b in batch], 0)
         labels = _stack_labels([b[1] for b in batch])
-        loss = loss_fn(tlm, ids, mask, labels)
+        with autocast(cpu, dtype):
+            loss = loss_fn(tlm, ids, mask, labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -414,7 +421,8 @@ def slo_embedding_rows(tlm: DualHeadTLM) -> torch.Tensor:
 
 
 def train_decision_head(tlm: DualHeadTLM, tokenizer, rows: list[dict], *, steps: int, batch_size: int = 16,
-                        lr: float = 1e-4, seed: int = 0, ctx: StageContext | None = None) -> list[float]:
+                        lr: float = 1e-4, seed: int = 0, precision: Precision = "auto",
+                        ctx: StageContext | None = None) -> list[float]:
     """Train the decision branch, both heads, and the SLO token rows (only those rows of the embedding)."""
     examples = decision_examples(tlm, tokenizer, rows)
     if not examples:
@@ -428,7 +436,7 @@ def train_decision_head(tlm: DualHeadTLM, tokenizer, rows: list[dict], *, steps:
               *tlm.level_head.parameters()]
     try:
         return _train(tlm, examples, steps, batch_size, lr, seed, params, _decision_loss, tokenizer, ctx,
-                      "tlm-decision")
+                      "tlm-decision", precision)
     finally:
         hook.remove()
         embedding.requires_grad_(False)
@@ -512,7 +520,7 @@ class UtilityFit:
 def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps: int, batch_size: int = 16,
                        lr: float = 1e-4, margin_temperature: float = 0.5, seed: int = 0,
                        ratios: Sequence[float] | None = None, levels: Sequence[str] | None = None,
-                       init: str = "prior", validation_fraction: float = 0.2,
+                       init: str = "prior", validation_fraction: float = 0.2, precision: Precision = "auto",
                        ctx: StageContext | None = None) -> UtilityFit:
     """Train the decision layers and the utility head on per-item cell targets (`utility_targets`)
     with binary cross-entropy, over trunk features computed once per prompt. `ratios` × `levels`: the
@@ -544,6 +552,8 @@ def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps:
     params = [*tlm.decision_layers.parameters(), *tlm.utility_head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     branch = {"decision_layers": tlm.decision_layers, "utility_head": tlm.utility_head}
+    cpu = torch.device("cpu")
+    dtype = training_dtype(precision, cpu)
 
     @torch.no_grad()
     def validation_loss() -> float:
@@ -566,7 +576,8 @@ def train_utility_head(tlm: DualHeadTLM, tokenizer, cells: list[dict], *, steps:
             order += [train[i] for i in torch.randperm(len(train), generator=generator).tolist()]
         batch, order = order[:batch_size], order[batch_size:]
         hidden, mask = _padded_features([features[i] for i in batch])
-        loss = F.binary_cross_entropy_with_logits(tlm.utility_logits(hidden, mask), targets[batch])
+        with autocast(cpu, dtype):
+            loss = F.binary_cross_entropy_with_logits(tlm.utility_logits(hidden, mask), targets[batch])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -633,6 +644,11 @@ def read_compression_pairs(path: Path) -> list[tuple[str, list[int]]]:
     return pairs
 
 
+def _dtype_name(precision: Precision) -> str:
+    """What the heads trained in, for the stage's metrics."""
+    return str(training_dtype(precision, torch.device("cpu"))).removeprefix("torch.")
+
+
 def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `tlm-score`: inputs {"package", optional "compression_data"} -> {"tlm": dir}."""
     from transformers import AutoTokenizer
@@ -652,9 +668,10 @@ def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext
                     for t in ctx.track(texts, "tlm-score: LLM-derived labels")]
     tlm, tokenizer = new_tlm(options.backbone, levels, options.frozen_layers, options.max_length, options.seed)
     losses = train_score_head(tlm, tokenizer, labelled, steps=options.steps, batch_size=options.batch_size,
-                              lr=options.lr, seed=options.seed, ctx=ctx)
+                              lr=options.lr, seed=options.seed, precision=options.precision, ctx=ctx)
     out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
-    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labelled)}
+    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(labelled),
+               "dtype": _dtype_name(options.precision)}
     atomic_write_bytes(ctx.work_dir / "tlm-score.json", json.dumps(metrics, indent=2).encode())
     return {"tlm": out, "metrics": ctx.work_dir / "tlm-score.json"}
 
@@ -672,6 +689,7 @@ def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageC
         fit = train_utility_head(tlm, tokenizer, labels["cells"], steps=options.steps,
                                  batch_size=options.batch_size, lr=options.lr,
                                  margin_temperature=options.margin_temperature, seed=options.seed,
+                                 precision=options.precision,
                                  ratios=labels["ratios"], levels=labels["levels"], init=options.utility_init,
                                  validation_fraction=options.validation_fraction, ctx=ctx)
         seconds = time.perf_counter() - started
@@ -679,16 +697,17 @@ def run_decision(inputs: dict[str, Path], options: DecisionSettings, ctx: StageC
         metrics = {"loss_first": fit.losses[0], "loss_last": fit.losses[-1], "examples": len(labels["cells"]),
                    "head": "utility", "margin_temperature": options.margin_temperature,
                    "init": options.utility_init, "validation": fit.validation, "kept_step": fit.kept_step,
-                   "train_seconds": seconds}
+                   "train_seconds": seconds, "dtype": _dtype_name(options.precision)}
         atomic_write_bytes(ctx.work_dir / "tlm-decision.json", json.dumps(metrics, indent=2).encode())
         return {"tlm": out, "metrics": ctx.work_dir / "tlm-decision.json"}
     if options.rule not in labels["rules"]:
         raise TLMError(f"labels hold rules {sorted(labels['rules'])}, not {options.rule!r}")
     rows = labels["rules"][options.rule]
     losses = train_decision_head(tlm, tokenizer, rows, steps=options.steps, batch_size=options.batch_size,
-                                 lr=options.lr, seed=options.seed, ctx=ctx)
+                                 lr=options.lr, seed=options.seed, precision=options.precision, ctx=ctx)
     out = save_tlm(tlm, tokenizer, ctx.work_dir / "tlm")
-    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(rows), "rule": options.rule}
+    metrics = {"loss_first": losses[0], "loss_last": losses[-1], "examples": len(rows), "rule": options.rule,
+               "dtype": _dtype_name(options.precision)}
     atomic_write_bytes(ctx.work_dir / "tlm-decision.json", json.dumps(metrics, indent=2).encode())
     return {"tlm": out, "metrics": ctx.work_dir / "tlm-decision.json"}
 

@@ -114,16 +114,15 @@ def test_bf16_training_autocasts_the_matmuls_and_keeps_the_lora_and_the_base_in_
 
 
 def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_native_bf16_only(monkeypatch):
-    from pipeline import recover
+    from pipeline import precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    auto = RecoverSettings()
     for native in (True, False):
-        monkeypatch.setattr(recover, "cpu_has_native_bf16", lambda native=native: native)
-        assert recover.training_dtype(auto, cpu) == (torch.bfloat16 if native else torch.float32)
-        assert recover.training_dtype(auto, cuda) == torch.bfloat16
-        assert recover.training_dtype(RecoverSettings(precision="float32"), cuda) == torch.float32
-        assert recover.training_dtype(RecoverSettings(precision="bfloat16"), cpu) == torch.bfloat16
+        monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda native=native: native)
+        assert precision.training_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+        assert precision.training_dtype("auto", cuda) == torch.bfloat16
+        assert precision.training_dtype("float32", cuda) == torch.float32
+        assert precision.training_dtype("bfloat16", cpu) == torch.bfloat16
 
 
 def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_only_the_lora(package):

@@ -209,6 +209,32 @@ def test_held_in_validation_keeps_the_best_read_weights_and_a_fit_only_where_the
     assert easy > 0.7 and hard < 0.3
 
 
+@pytest.mark.parametrize("precision", ["bfloat16", "float32"])
+def test_each_tlm_head_trains_in_the_precision_its_setting_names_and_keeps_fp32_weights(precision):
+    """bf16 autocast (the setting's "auto" on a CPU with native bf16, as recovery) for the score head,
+    ElastiLM's SLO-token head and the utility head; the weights saved and served stay fp32."""
+    from pipeline import tlm
+
+    model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
+    seen: list[torch.dtype] = []
+    for layers in (model.score_layers, model.decision_layers):  # a matmul's output (LayerNorm's stays fp32)
+        layers[0].intermediate.dense.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    text = "Plants take in carbon dioxide and give off oxygen."
+    tlm.train_score_head(model, tokenizer, [(text, [1, 0, 1, 1, 0, 1, 0, 1, 1])], steps=1, batch_size=1,
+                         precision=precision)
+    rows = [{"prompt": PROMPTS[0], "ttft": 0.6, "tpot": 0.8, "ratio": 0.5, "level": "0.5"}]
+    tlm.train_decision_head(model, tokenizer, rows, steps=1, batch_size=1, precision=precision)
+    cells = [{"item": f"i{k}", "prompt": f"Question {k}?", "correct": [[True, k % 2 == 0, False]]} for k in range(5)]
+    tlm.train_utility_head(model, tokenizer, cells, steps=1, batch_size=2, ratios=[1.0], levels=LEVELS,
+                           precision=precision)
+    assert seen.count(getattr(torch, precision)) >= 3  # one training forward per head at least
+    if precision == "bfloat16":
+        assert torch.float32 in seen  # validation and the cached trunk stay fp32
+    else:
+        assert set(seen) == {torch.float32}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
 def test_a_head_kept_at_its_prior_is_served_without_running_the_encoder(tmp_path, utility_pair, monkeypatch):
     from pipeline import tlm
 
