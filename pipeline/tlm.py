@@ -173,6 +173,15 @@ class DualHeadTLM(nn.Module):
             for param in module.parameters():
                 param.requires_grad_(False)
 
+    def train(self, mode: bool = True) -> DualHeadTLM:
+        # The frozen embeddings and trunk always run as they are served, without dropout: nothing in them
+        # trains, the utility head's cached trunk features are computed that way, and dropout there
+        # only added noise (and, for the SLO-token head, more than half a step's forward time).
+        super().train(mode)
+        self.embeddings.eval()
+        self.trunk.eval()
+        return self
+
     def _run(self, layers, hidden, mask):
         additive = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
         for layer in layers:

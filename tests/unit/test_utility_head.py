@@ -209,6 +209,23 @@ def test_held_in_validation_keeps_the_best_read_weights_and_a_fit_only_where_the
     assert easy > 0.7 and hard < 0.3
 
 
+def test_the_frozen_trunk_runs_without_dropout_while_the_branches_train():
+    """In training mode the trunk gives the same states twice (as served, and as the utility head's
+    cache holds them); the trained decision branch still has its dropout."""
+    from pipeline import tlm
+
+    model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
+    ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
+    mask = torch.ones_like(ids)
+    model.train()
+    assert not model.trunk.training and not model.embeddings.training and model.decision_layers.training
+    trunk = model.trunk_states(ids, mask)
+    assert torch.equal(trunk, model.trunk_states(ids, mask))
+    assert torch.equal(trunk, model.eval().trunk_states(ids, mask))
+    model.train()
+    assert not torch.equal(*(model.decision_logits(ids, mask, trunk)[1] for _ in range(2)))
+
+
 @pytest.mark.parametrize("precision", ["bfloat16", "float32"])
 def test_each_tlm_head_trains_in_the_precision_its_setting_names_and_keeps_fp32_weights(precision):
     """bf16 autocast (the setting's "auto" on a CPU with native bf16, as recovery) for the score head,
