@@ -216,6 +216,7 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
     return RecoverSettings(level=level, corpus=["ptb:train"], steps=args.steps, batch_size=args.batch_size,
                            seq_len=args.seq_len, lr=args.lr, warmup_steps=max(1, args.steps // 20),
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
+                           lm_weight=args.lm_weight if distill else 0.0,
                            divergence=args.divergence,
                            warm_start=method == "distill-warm", seed=args.seed, precision=args.precision,
                            dropout=args.dropout, rank=args.rank, alpha=args.alpha,
@@ -560,6 +561,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--divergence", choices=["forward", "reverse", "jsd"], default=RecoverSettings().divergence,
                         help="of the distillation methods (RecoverSettings.divergence)")
+    parser.add_argument("--lm-weight", type=float, default=0.0,
+                        help="(c), (d): add this weight × the LM loss on the corpus to the distillation loss")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="RecoverSettings.precision: auto is bf16 autocast on CPUs with native bf16")
@@ -622,7 +625,7 @@ def main() -> None:
         return
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "lm_weight", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
