@@ -85,8 +85,9 @@ def main() -> None:
     medians = {name: statistics.median(values) for name, values in samples.items()}
     before = medians["fp32, trunk dropout (before)"]
     print_table(f"SLO-token head, s/step (batch 16, {args.threads} thread(s), median of {args.repeats} × "
-                f"{args.steps} steps)", ["case", "s/step", "÷ before"],
-                [[name, f"{value:.2f}", f"{value / before:.2f}"] for name, value in medians.items()])
+                f"{args.steps} steps)", ["case", "s/step", "samples' range", "÷ before"],
+                [[name, f"{value:.2f}", f"{min(samples[name]):.2f}–{max(samples[name]):.2f}", f"{value / before:.2f}"]
+                 for name, value in medians.items()])
     args.results.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.results.with_suffix(".tmp")
     tmp.write_text(json.dumps({
