@@ -6,7 +6,7 @@ from typing import Any
 
 import ray
 
-from workers.runner import StageTask, execute
+from workers.runner import StageTask, execute, use_granted_cpus
 
 
 def _event_sender(events, task: StageTask):
@@ -32,7 +32,8 @@ def run_stage(task: StageTask, events=None) -> dict[str, Any]:
     import os
 
     emit = _event_sender(events, task)
-    emit({"kind": "state", "message": f"started on pid {os.getpid()}"})
+    threads = use_granted_cpus(ray.get_runtime_context().get_assigned_resources().get("CPU"))
+    emit({"kind": "state", "message": f"started on pid {os.getpid()} with {threads or 'default'} threads"})
     return execute(task, emit)
 
 

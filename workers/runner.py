@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +35,24 @@ def under_roots(path: str | Path, roots) -> bool:
         if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
             return True
     return False
+
+
+def use_granted_cpus(cpus: float | None) -> int | None:
+    """Size this process's compute threads to the CPUs its task was granted; returns the thread count.
+
+    A Ray worker process runs one task after another, and torch fixes its thread pool when it is
+    first used, from the OMP_NUM_THREADS that Ray set for the process's *first* task. Without this a
+    2-CPU stage on a worker that began with a 1-CPU shard computes on one thread, and a 1-CPU shard on
+    a worker that began with a 2-CPU stage runs two, oversubscribing the node beside its neighbour.
+    Fractional grants get one thread; None (nothing granted, e.g. run in-process) changes nothing.
+    """
+    if not cpus:
+        return None
+    threads = max(1, int(cpus))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # what torch reads when this task imports it first
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
+    return threads
 
 
 @dataclass(frozen=True)

@@ -95,5 +95,13 @@ def burn(inputs: dict[str, Path], settings: TinySettings, ctx: StageContext) -> 
     return {"out": out}
 
 
+def threads(inputs: dict[str, Path], settings: TinySettings, ctx: StageContext) -> dict[str, Path]:
+    """Journal the number of threads torch computes with in this task (`threads`), beside the pid."""
+    import torch
+
+    _journal(settings, "run", threads=torch.get_num_threads())
+    return _output(inputs, settings, ctx)
+
+
 def fail(inputs: dict[str, Path], settings: TinySettings, ctx: StageContext) -> dict[str, Path]:
     raise RuntimeError(settings.message)

@@ -227,3 +227,24 @@ def test_a_stage_that_reports_progress_keeps_its_cpus_to_itself(tmp_path, schedu
         spans[line["key"]] = (min(first, line["t"]), max(last, line["t"]))
     (a_start, a_end), (b_start, b_end) = sorted(spans[key] for key in ("|0.5", "|1.0"))
     assert b_start >= a_end, f"shards overlapped: {spans}"
+
+
+def test_each_stage_computes_on_as_many_threads_as_cpus_it_was_granted(tmp_path, scheduler_for):
+    """1, 2, 1, 2 CPUs in a chain on a 2-CPU head: Ray reuses idle worker processes, and torch's thread
+    pool, once made, would otherwise keep the first grant's size (one thread for the 2-CPU stages, two
+    for a 1-CPU shard beside another)."""
+    grants = {"a": 1, "b": 2, "c": 1, "d": 2}
+    journal = tmp_path / "journal"
+    names = list(grants)
+    registry = Registry([
+        testing.tiny_stage(name, testing.threads, resources=Resources(num_cpus=cpus),
+                           inputs={"x": f"{names[k - 1]}.out"} if k else {})
+        for k, (name, cpus) in enumerate(grants.items())
+    ])
+    scheduler = scheduler_for(registry)
+    spec = spec_for({name: {"tag": name, "journal": str(journal)} for name in grants}, cache=False)
+    build_id = submit_build(scheduler.sessions, spec, registry)
+    scheduler.run_until_done([build_id], timeout=120)
+    assert scheduler.status(build_id) == "succeeded"
+    ran = {line["key"].split("|")[0]: line for line in journal_lines(journal)}
+    assert {name: ran[name]["threads"] for name in grants} == grants, ran

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+
+import torch
 
 from pipeline.stage import StageContext
 from workers import testing
-from workers.runner import ExternalInput, StageTask, execute
+from workers.runner import ExternalInput, StageTask, execute, use_granted_cpus
 from workers.store import StoreConfig
 
 
@@ -63,3 +66,17 @@ def test_a_task_of_the_chain_pickles_its_run_function_by_reference():
     assert b"pipeline.chain" in data and b"run_profile" in data and len(data) < 4096
     again = pickle.loads(data)
     assert again.run is profile.run and again.settings == task.settings
+
+
+def test_a_task_computes_on_the_threads_it_was_granted(monkeypatch):
+    """A reused worker process must not keep the thread count its first task's grant gave torch."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert use_granted_cpus(1) == 1 and torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"
+        assert use_granted_cpus(2) == 2 and torch.get_num_threads() == 2
+        assert use_granted_cpus(0.5) == 1 and torch.get_num_threads() == 1  # a fractional grant still computes
+        assert use_granted_cpus(None) is None and torch.get_num_threads() == 1  # nothing granted: unchanged
+    finally:
+        torch.set_num_threads(before)
