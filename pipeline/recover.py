@@ -462,19 +462,29 @@ def eval_loss(hf: nn.Module, windows: torch.Tensor, batch_size: int) -> float:
 
 
 @torch.no_grad()
-def eval_kl(views: LevelViews, full: str, peft_model, windows: torch.Tensor, batch_size: int) -> float:
-    """Mean KL(full model || this level) per next-token position, temperature 1, full vocabulary."""
+def eval_loss_and_kl(views: LevelViews, full: str, peft_model, windows: torch.Tensor,
+                     batch_size: int) -> tuple[float, float]:
+    """Over `windows`, per next-token position: the level's mean NLL (as `eval_loss`) and the mean
+    KL(full model || level) at temperature 1, full vocabulary. One student pass gives both."""
+    from pipeline.lm import LOGIT_CHUNK
+
     was_training = views.hf.training
     views.hf.eval()
     device = _model_device(views.hf)
-    total, count = 0.0, 0
+    nll = kl = 0.0
+    count = 0
     for batch in windows.split(batch_size):
         batch = batch.to(device)
         teacher = teacher_targets(views, full, peft_model, batch, batch, 1.0, 0)
-        total += distill_loss(views.hf, batch, batch, teacher, 1.0).item() * batch[:, 1:].numel()
-        count += batch[:, 1:].numel()
+        hidden, targets = labelled_hidden(views.hf, batch, batch)
+        for start in range(0, targets.numel(), LOGIT_CHUNK):
+            part = slice(start, start + LOGIT_CHUNK)
+            student = F.log_softmax(views.hf.lm_head(hidden[part]).float(), dim=-1)
+            nll += F.nll_loss(student, targets[part], reduction="sum").item()
+            kl += divergence(student, teacher.logprobs[part]).item()
+        count += targets.numel()
     views.hf.train(was_training)
-    return total / count
+    return nll / count, kl / count
 
 
 def _schedule(settings: RecoverSettings):
@@ -652,8 +662,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     full = max(model.elastic.levels, key=lambda level: level.ratio).name  # the teacher
     views = LevelViews(model, settings.level)
     hf = views.hf
-    before = eval_loss(hf, eval_windows, settings.batch_size)
-    kl_before = eval_kl(views, full, None, eval_windows, settings.batch_size)
+    before, kl_before = eval_loss_and_kl(views, full, None, eval_windows, settings.batch_size)
     peft_model = add_lora(hf, settings)
     if init_adapter is not None:
         warm_start(peft_model, Path(init_adapter), settings)
@@ -662,8 +671,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         losses = train_deepspeed(peft_model, hf, batches, settings, ctx, loss_fn, views)
     else:
         losses = train_torch(peft_model, hf, batches, settings, ctx, loss_fn)
-    after = eval_loss(hf, eval_windows, settings.batch_size)
-    kl_after = eval_kl(views, full, peft_model, eval_windows, settings.batch_size)
+    after, kl_after = eval_loss_and_kl(views, full, peft_model, eval_windows, settings.batch_size)
 
     peft_dir = out_dir / "peft"
     staging = out_dir / ".peft.tmp"

@@ -19,6 +19,8 @@ from pipeline.recover import (
     corrected_rollout,
     distill_loss,
     divergence,
+    eval_loss,
+    eval_loss_and_kl,
     lm_loss,
     make_loss,
     repeated_ngram_positions,
@@ -294,6 +296,19 @@ def test_distill_loss_adds_the_weighted_lm_loss(package):
         kl = distill_loss(views.hf, ids, labels, teacher, 1.0).item()
         mixed = distill_loss(views.hf, ids, labels, teacher, 1.0, lm_weight=0.5).item()
         assert mixed == pytest.approx(kl + 0.5 * lm_loss(views.hf, ids, labels).item(), rel=1e-5)
+
+
+def test_the_evaluation_pass_gives_the_levels_nll_and_its_kl_to_the_full_model(package):
+    """One student pass for both numbers: each equals its own definition, window by window averaged."""
+    views, peft_model, _ = _student(package, "0.5")
+    windows = torch.randint(0, 256, (5, 24), generator=torch.Generator().manual_seed(7))
+    nll, kl = eval_loss_and_kl(views, "1.0", peft_model, windows, batch_size=2)
+    assert nll == pytest.approx(eval_loss(views.hf, windows, 2), rel=1e-5)
+    with torch.no_grad():
+        per_window = [distill_loss(views.hf, w[None], w[None], teacher_targets(views, "1.0", peft_model, w[None],
+                                                                              w[None], 1.0, 0), 1.0).item()
+                      for w in windows]
+    assert kl == pytest.approx(sum(per_window) / len(per_window), rel=1e-5) and kl > 0
 
 
 # A random tiny model's levels differ little (held-out KL ~0.009 nats), so the margins are modest;
