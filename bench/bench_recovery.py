@@ -224,7 +224,16 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
                            rollout_prefix=args.rollout_prefix,
                            rollout="corrected" if method == "distill-corrected" else "student",
                            correct_top_k=args.correct_top_k,
-                           unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0)
+                           unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0,
+                           **({"mix": parse_mix(args.mix)} if args.mix else {}))
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """`generated=1,passages=0,ptb=0` -> RecoverSettings.mix (kinds it does not name get no share)."""
+    try:
+        return {kind.strip(): float(share) for kind, share in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--mix: {text!r} is not kind=share,kind=share") from None
 
 
 def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, init_adapter: Path | None,
@@ -563,6 +572,9 @@ def main() -> None:
                         help="of the distillation methods (RecoverSettings.divergence)")
     parser.add_argument("--lm-weight", type=float, default=0.0,
                         help="(c), (d): add this weight × the LM loss on the corpus to the distillation loss")
+    parser.add_argument("--mix", default="",
+                        help="(b)-(f): shares of the corpus's kinds of text, e.g. generated=1,passages=0,ptb=0 "
+                             "(default: RecoverSettings.mix)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="RecoverSettings.precision: auto is bf16 autocast on CPUs with native bf16")
@@ -625,7 +637,7 @@ def main() -> None:
         return
     common = ["--out", str(args.out), "--package", str(package), "--corpus", str(corpus_dir),
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "lm_weight", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
+                  "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "lm_weight", "mix", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
