@@ -237,8 +237,12 @@ def main() -> None:
     # ---- the device: one SDK model, this machine's profile, ShortGPT's depths
     model = ElasticModel.load(package, allow_unsigned=True)
     model.eos_ids = set()  # every request decodes --new-tokens tokens
-    for shape in model.manifest.elastic.levels:  # decisions (and their best-effort fallback) stay on the labelled grid
-        shape.usable = shape.usable and shape.name in levels
+    # Every policy picks from the labelled grid, and only from it. The package's usable verdicts are set
+    # aside: the baselines' cost-model rules do not read them, and a request's label already scores what a
+    # weak level answers. They are kept in the JSON beside the results.
+    verdicts = {shape.name: shape.usable for shape in model.manifest.elastic.levels}
+    for shape in model.manifest.elastic.levels:
+        shape.usable = shape.name in levels
     device = measure_profile(model, levels=levels, prompt_lengths=PROFILE_LENGTHS, repeats=5)
     tlm_latency = {name: measure_tlm_latency(head, repeats=3) for name, head in heads.items()}
     depth_profiles = shortgpt_profiles(model, [float(x) for x in args.depths.split(",")])
@@ -369,7 +373,10 @@ def main() -> None:
               "classes": TRACE_CLASSES, "ratios": ratios, "levels": levels, "shortgpt_depths": list(depth_profiles),
               "shortgpt_depth_1_agrees_with_full_cell": agree, "new_tokens": args.new_tokens,
               "full_runs": args.full_runs, "shots": args.shots, "tasks": tasks, "threads": args.threads,
-              "seed": args.seed, "smoke": args.smoke,
+              "seed": args.seed, "smoke": args.smoke, "train_items_per_task": args.train_items,
+              "decision_steps": args.decision_steps,
+              "package": f"{model.manifest.name} {model.manifest.version} (build {model.manifest.build_id})",
+              "package_usable_verdicts": verdicts,
               "loadavg_before": load_before, "loadavg_after": load_after,
               "seconds": round(time.perf_counter() - started, 1),
               "device_profile": {m: vars(v) for m, v in device.levels.items()},
