@@ -35,6 +35,9 @@ a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio
                      the deepest feasible depth: 0-width layers through the SDK's per-layer widths (as a
                      CLONE profile), each depth's latency line measured on this machine like a level's
   random feasible    the exact expectation of a uniform draw among feasible cells (not served)
+  task lookup        the strongest simple policy: per task, the feasible cell most often right on the
+                     held-in items, ties to the cheaper (a 6 × 15 table; the prompt's few-shot block
+                     names its task; not served: scored on the same cost model as random feasible)
   oracle             the best feasible cell per item: an upper bound, not a policy (not served)
 
 Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`); every cost model counts
@@ -93,6 +96,7 @@ from pipeline.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
     feasible_mask,
+    held_in_rates,
     largest_level_full_prompt,
     largest_level_most_kept,
     layer_drop_depths,
@@ -101,11 +105,13 @@ from pipeline.trace import (
     paired_difference_ci,
     policy_profile,
     random_feasible_expectation,
+    utility_choice,
 )
 
 PROFILE_LENGTHS = (32, 128, 256, 512, 1024)  # prompt tokens timed per level and depth: BoolQ's reach ~940
 SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT"]
-BASELINES = ["LLM-Pruner", "LLMLingua-2", "ShortGPT", "random feasible"]
+BASELINES = ["LLM-Pruner", "LLMLingua-2", "ShortGPT", "random feasible", "task lookup"]
+UNSERVED = ["random feasible", "task lookup", "oracle"]
 
 
 class LabelledGrid:
@@ -188,7 +194,11 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
     parser.add_argument("--png", type=Path, default=ROOT / "bench" / "results" / "trace.png")
     parser.add_argument("--plot-only", action="store_true", help="redraw --png from the --results JSON")
+    parser.add_argument("--markdown", action="store_true", help="print the README's tables from the --results JSON")
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(args.results.read_text())))
+        return
     if args.plot_only:
         report = json.loads(args.results.read_text())
         plot(report["alphas"]["0.0"], args.png, report["held_out_items"], report["requests"])
@@ -220,6 +230,9 @@ def main() -> None:
                                   args.margin_temperature, args.decision_steps)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
     correct, tokens, meta = label.load_shards(test_pairs)
+    held_in_correct, _, held_in_meta = label.load_shards(
+        [(train_shards[f"correctness.{k}"], train_shards[f"meta.{k}"]) for k in range(len(train_shards) // 2)])
+    lookup = held_in_rates(held_in_correct, [item["task"] for item in held_in_meta["items"]])
     assert (meta["ratios"], meta["levels"]) == (ratios, levels)
     held_in = {item["id"] for k in range(len(train_shards) // 2)
                for item in json.loads(Path(train_shards[f"meta.{k}"]).read_text())["items"]}
@@ -347,7 +360,7 @@ def main() -> None:
     results = {}
     for alpha, trace in traces.items():
         seen: dict[tuple, int] = {}
-        per = {p: {"correct": [], "violated": [], "feasible": []} for p in [*SERVED, "random feasible", "oracle"]}
+        per = {p: {"correct": [], "violated": [], "feasible": []} for p in [*SERVED, *UNSERVED]}
         for request in trace:
             key = (request.item, request.slo_class)
             assert key in occurrences, "an α trace asks an (item, class) pair the α = 0 trace did not serve"
@@ -364,7 +377,11 @@ def main() -> None:
             cells = correct[row[request.item]]
             per["random feasible"]["correct"].append(random_feasible_expectation(cells, mask))
             per["oracle"]["correct"].append(oracle(cells, mask))
-            for name in ("random feasible", "oracle"):
+            cost = torch.tensor([[predicted_ttft_ms(paid, m, r, n_tokens[request.item], n_kept[request.item])
+                                  + args.new_tokens * paid.tpot_ms(m) for m in levels] for r in ratios])
+            r, m, _ = utility_choice(lookup[meta["items"][row[request.item]]["task"]], mask, cost)
+            per["task lookup"]["correct"].append(float(cells[r, m]))
+            for name in UNSERVED:
                 per[name]["feasible"].append(bool(mask.any()))
         results[alpha] = summarise(trace, per)
     report = {"requests": args.requests, "served_requests_per_policy": len(base), "held_out_items": len(row),
@@ -411,7 +428,7 @@ def write_report(path: Path, report: dict) -> None:
 
 def summarise(trace, per: dict) -> dict:
     """Per policy: accuracy overall and per class with item-resampling 95% intervals, violations; the paired
-    difference ours (utility) − the best cost-model-respecting baseline; ours ÷ oracle."""
+    difference ours (utility) − each cost-model-respecting baseline (and the best of them); ours ÷ oracle."""
     items = [r.item for r in trace]
     out = {"counts": [sum(r.slo_class == k for r in trace) for k in range(len(TRACE_CLASSES))], "policies": {}}
     for policy, rows in per.items():
@@ -431,6 +448,7 @@ def summarise(trace, per: dict) -> dict:
     out["best_baseline"] = best
     out["paired_vs_best_baseline"] = paired_difference_ci(ours, per[best]["correct"], items)
     out["paired_vs_slo_token"] = paired_difference_ci(ours, per["ours (SLO-token)"]["correct"], items)
+    out["paired_vs"] = {policy: paired_difference_ci(ours, per[policy]["correct"], items) for policy in BASELINES}
     out["ours_over_oracle"] = out["policies"]["ours (utility)"]["accuracy"][0] / out["policies"]["oracle"]["accuracy"][0]
     return out
 
@@ -450,6 +468,34 @@ def show(alpha: float, result: dict, items: int) -> None:
     diff = result["paired_vs_best_baseline"]
     print(f"ours (utility) − {result['best_baseline']}: {diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]; "
           f"− SLO-token {result['paired_vs_slo_token'][0]:+.3f}; ours ÷ oracle {result['ours_over_oracle']:.3f}")
+    print("ours (utility) − " + "; ".join(f"{policy} {d[0]:+.3f} [{d[1]:+.3f}, {d[2]:+.3f}]"
+                                          for policy, d in result["paired_vs"].items()))
+
+
+def markdown(report: dict) -> str:
+    """The README's two tables: α = 0 per policy and class; per α, ours against each baseline, paired."""
+    def ci(v, digits=3):
+        return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}, {v[2]:.{digits}f}]"
+
+    result = report["alphas"]["0.0"]
+    classes = [f"({c[0]:g}, {c[1]:g}) {task}" for c, task in zip(report["classes"], report["class_tasks"], strict=True)]
+    lines = [f"| α = 0, {report['requests']} requests | overall | {' | '.join(classes)} | measured violations: all "
+             "(where its cost model saw a feasible cell) / requests with one |",
+             "|---" * (len(classes) + 3) + "|"]
+    for policy, entry in result["policies"].items():
+        served = (f"{entry['violations']} ({entry['violations_where_feasible']})" if "violations" in entry
+                  else "not served")
+        lines.append(f"| {policy} | {ci(entry['accuracy'])} | "
+                     f"{' | '.join(f'{c[0]:.2f}' for c in entry['per_class'])} | {served} / {entry['feasible']} |")
+    baselines = list(result["paired_vs"])
+    lines += ["", f"| α | ours (utility) | {' | '.join(f'− {b}' for b in baselines)} | − SLO-token head | "
+                  "ours ÷ oracle |", "|---" * (len(baselines) + 4) + "|"]
+    for alpha, res in report["alphas"].items():
+        ours = res["policies"]["ours (utility)"]["accuracy"][0]
+        lines.append(f"| {float(alpha):+.2f} | {ours:.3f} | "
+                     f"{' | '.join(ci([100 * x for x in res['paired_vs'][b]], 1) for b in baselines)} | "
+                     f"{ci([100 * x for x in res['paired_vs_slo_token']], 1)} | {res['ours_over_oracle']:.2f} |")
+    return "\n".join(lines)
 
 
 def plot(result: dict, path: Path, items: int, requests: int) -> None:

@@ -128,6 +128,14 @@ def largest_level_most_kept(mask: torch.Tensor) -> tuple[int, int, bool]:
     return max(r for r in range(mask.shape[0]) if mask[r, m]), m, True
 
 
+def held_in_rates(correct: torch.Tensor, tasks: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Per task, each cell's share of the held-in items labelled right ([items, ratios, levels] → [ratios,
+    levels]): the table the task lookup policy serves from (with `utility_choice`)."""
+    if correct.shape[0] != len(tasks):
+        raise ValueError(f"{correct.shape[0]} labelled items but {len(tasks)} task names")
+    return {task: correct[[i for i, t in enumerate(tasks) if t == task]].float().mean(0) for task in dict.fromkeys(tasks)}
+
+
 def random_feasible_expectation(correct: torch.Tensor, mask: torch.Tensor) -> float:
     """The exact expected accuracy of a uniform draw among the feasible cells (the lightest cell if none)."""
     return float(correct[mask].float().mean()) if mask.any() else float(correct[0, 0])

@@ -16,6 +16,7 @@ from pipeline.trace import (
     bootstrap_ci,
     class_counts,
     feasible_mask,
+    held_in_rates,
     largest_level_full_prompt,
     largest_level_most_kept,
     layer_drop_depths,
@@ -212,6 +213,23 @@ def test_random_feasible_is_the_exact_expectation_and_the_oracle_bounds_every_po
         labels = utility > 0.5
         for r, m, _ in _choices(mask, torch.rand(len(RATIOS), len(LEVELS)), utility, ratio_lp, level_lp).values():
             assert float(labels[r, m]) <= oracle(labels, mask)
+
+
+def test_the_task_lookup_serves_each_task_its_best_feasible_held_in_cell():
+    # Two tasks on a 1 × 3 grid: task "a" is right most often at the middle cell, "b" at the largest.
+    correct = torch.tensor([[[0, 1, 0]], [[1, 1, 0]], [[0, 0, 1]], [[0, 1, 1]], [[0, 0, 1]]], dtype=torch.bool)
+    rates = held_in_rates(correct, ["a", "a", "b", "b", "b"])
+    assert torch.allclose(rates["a"], torch.tensor([[0.5, 1.0, 0.0]]))
+    assert torch.allclose(rates["b"], torch.tensor([[0.0, 1 / 3, 1.0]]))
+    cost = torch.tensor([[1.0, 2.0, 3.0]])
+    everything = torch.ones(1, 3, dtype=torch.bool)
+    assert utility_choice(rates["a"], everything, cost)[:2] == (0, 1)
+    assert utility_choice(rates["b"], everything, cost)[:2] == (0, 2)
+    assert utility_choice(rates["b"], torch.tensor([[True, True, False]]), cost)[:2] == (0, 1)  # its best is infeasible
+    tied = held_in_rates(torch.tensor([[[1, 0, 1]]], dtype=torch.bool), ["a"])
+    assert utility_choice(tied["a"], everything, cost)[:2] == (0, 0)  # equal rates: the cheaper cell
+    with pytest.raises(ValueError, match="task names"):
+        held_in_rates(correct, ["a"])
 
 
 def test_shortgpt_drops_the_least_influential_layers_and_its_deepest_feasible_depth_is_taken():
