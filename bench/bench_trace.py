@@ -53,8 +53,9 @@ as one); the label's compression is the label stage's.
 α = ±0.25 reuse the α = 0 served results: every (item, class) pair of those traces occurs in the α = 0
 trace (asserted), decisions are deterministic per pair, and the j-th request of a pair takes the pair's
 j-th α = 0 measurement (cycling). Intervals are 95% bootstrap intervals resampling items (a request
-repeating an item is not new evidence); the paired difference is ours (utility) − the best baseline that
-respects the cost model, over the same requests. Violations are counted on this machine while others
+repeating an item is not new evidence); the paired differences are ours (utility) − each baseline that
+respects the cost model (and the best of them), over the same requests. The unserved references
+(random feasible, task lookup, oracle) see the profile as measured, without `Drift`'s margin. Violations are counted on this machine while others
 run: they mean something only on a quiet machine; the load average is in the JSON.
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
