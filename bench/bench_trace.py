@@ -55,8 +55,9 @@ trace (asserted), decisions are deterministic per pair, and the j-th request of 
 j-th α = 0 measurement (cycling). Intervals are 95% bootstrap intervals resampling items (a request
 repeating an item is not new evidence); the paired differences are ours (utility) − each baseline that
 respects the cost model (and the best of them), over the same requests. The unserved references
-(random feasible, task lookup, oracle) see the profile as measured, without `Drift`'s margin. Violations are counted on this machine while others
-run: they mean something only on a quiet machine; the load average is in the JSON.
+(random feasible, task lookup, oracle) see the profile as measured, without `Drift`'s margin.
+Violations are counted on this machine while others run: they mean something only on a quiet
+machine; the load average is in the JSON.
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
                                                         # the committed run (~50 min once labelled;
@@ -235,8 +236,7 @@ def main() -> None:
         [(train_shards[f"correctness.{k}"], train_shards[f"meta.{k}"]) for k in range(len(train_shards) // 2)])
     lookup = held_in_rates(held_in_correct, [item["task"] for item in held_in_meta["items"]])
     assert (meta["ratios"], meta["levels"]) == (ratios, levels)
-    held_in = {item["id"] for k in range(len(train_shards) // 2)
-               for item in json.loads(Path(train_shards[f"meta.{k}"]).read_text())["items"]}
+    held_in = {item["id"] for item in held_in_meta["items"]}
     row = {item["id"]: i for i, item in enumerate(meta["items"])}
     if args.smoke:
         keep = {t: [it["id"] for it in meta["items"] if it["task"] == t][:4] for t in tasks}
@@ -358,6 +358,11 @@ def main() -> None:
     occurrences = {}
     for j, request in enumerate(base):
         occurrences.setdefault((request.item, request.slo_class), []).append(j)
+    unserved = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
+                                             tlm=tlm_latency["ours (utility)"]), False, True)
+    cell_ms = {i: torch.tensor([[predicted_ttft_ms(unserved, m, r, n_tokens[i], n_kept[i])
+                                 + args.new_tokens * unserved.tpot_ms(m) for m in levels] for r in ratios])
+               for i in row}  # the task lookup's ties go to the cheaper cell
     results = {}
     for alpha, trace in traces.items():
         seen: dict[tuple, int] = {}
@@ -372,15 +377,11 @@ def main() -> None:
                     per[policy][field].append(served[policy][j][field])
             slo_class = TRACE_CLASSES[request.slo_class]
             target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
-            paid = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
-                                                 tlm=tlm_latency["ours (utility)"]), False, True)
-            mask = feasible_mask(paid, ratios, levels, n_tokens[request.item], target, n_kept[request.item])
+            mask = feasible_mask(unserved, ratios, levels, n_tokens[request.item], target, n_kept[request.item])
             cells = correct[row[request.item]]
             per["random feasible"]["correct"].append(random_feasible_expectation(cells, mask))
             per["oracle"]["correct"].append(oracle(cells, mask))
-            cost = torch.tensor([[predicted_ttft_ms(paid, m, r, n_tokens[request.item], n_kept[request.item])
-                                  + args.new_tokens * paid.tpot_ms(m) for m in levels] for r in ratios])
-            r, m, _ = utility_choice(lookup[meta["items"][row[request.item]]["task"]], mask, cost)
+            r, m, _ = utility_choice(lookup[meta["items"][row[request.item]]["task"]], mask, cell_ms[request.item])
             per["task lookup"]["correct"].append(float(cells[r, m]))
             for name in UNSERVED:
                 per[name]["feasible"].append(bool(mask.any()))
