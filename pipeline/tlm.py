@@ -492,7 +492,9 @@ def utility_targets(cells: list[dict], margin_temperature: float) -> torch.Tenso
 def _decision_ids(tlm: DualHeadTLM, tokenizer, prompt: str, prefix: str = "") -> list[int]:
     """The decision branch's input, cut as the SDK cuts it (device_sdk.tlm.head_and_tail)."""
     head = 1 + len(tokenizer(prefix, add_special_tokens=False)["input_ids"])
-    return head_and_tail(tokenizer(prefix + prompt)["input_ids"], head, tlm.config.max_length)
+    # verbose=False: a prompt longer than the encoder's window is expected here (a few-shot block, a
+    # passage), and head_and_tail cuts it, so HF's "sequence length is longer than" warning is noise.
+    return head_and_tail(tokenizer(prefix + prompt, verbose=False)["input_ids"], head, tlm.config.max_length)
 
 
 @torch.no_grad()

@@ -73,6 +73,21 @@ def test_long_prompts_keep_the_slo_tokens_and_their_end(tlm_pair):
         assert all(differ) and torch.allclose(sdk.decision_log_probs(second, ttft, tpot)[1], reference, atol=1e-5)
 
 
+def test_a_prompt_longer_than_the_window_is_cut_without_a_tokenizer_warning(tlm_pair):
+    """The trace's passages run past MiniLM's 512 tokens; the cut is deliberate, so HF must not warn."""
+    import copy
+
+    from pipeline.tlm import _decision_ids
+
+    model, tokenizer, _ = tlm_pair
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.model_max_length = model.config.max_length  # as MiniLM's 512: the prompt is longer
+    assert len(tokenizer(LONG_TEXT, verbose=False)["input_ids"]) > tokenizer.model_max_length
+    ids = _decision_ids(model, tokenizer, LONG_TEXT, "[TTFT_0.6] [TPOT_0.8] ")
+    assert len(ids) == model.config.max_length
+    assert not tokenizer.deprecation_warnings.get("sequence-length-is-longer-than-the-specified-maximum")
+
+
 def test_missing_tlm_files_are_a_clear_error(tmp_path):
     with pytest.raises(TLMError, match="missing"):
         TLM.load(tmp_path)
