@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 from bench_recovery import EvalSets, training_kinds
-from common import ROOT
+from common import ROOT, print_table
 
+from device_sdk.format import atomic_write_bytes
 from pipeline.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
 from pipeline.lm import paired_ratio
 from pipeline.settings import RecoverSettings
@@ -140,16 +141,22 @@ def main() -> None:
         full_rate = result["full_model"]["repeat4"]
         result[name]["repeat4_vs_full"] = result[name]["repeat4"] / full_rate if full_rate else None
     result[args.variant]["lambada_vs_baseline"] = paired_ratio(result[args.variant]["lambada_nlls"], base_nlls)
-    args.out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(result, indent=1)
-    (args.out / "screen.json").write_text(text)
+    text = json.dumps(result, indent=1).encode()
+    atomic_write_bytes(args.out / "screen.json", text)
     if args.results:
-        (ROOT / args.results).write_text(text)
-    for name in ("full_model", "baseline", args.variant):
-        row = result[name]
-        print(f"{name:>12}: LAMBADA {row['lambada_ppl']:.1f} {row.get('lambada_vs_full', '')}  "
-              f"repeat-4 {row['repeat4']:.3f} {row.get('repeat4_vs_full', '')}")
+        atomic_write_bytes(ROOT / args.results, text)
 
+    def ratio(entry: dict | None) -> str:
+        return "1" if entry is None else f"{entry['ratio']:.3f} [{entry['low']:.3f}, {entry['high']:.3f}]"
+
+    print_table(f"level {args.level}: {args.variant} against the baseline adapter, {len(base_nlls)} LAMBADA windows, "
+                f"{len(GENERATION_PROMPTS)} prompts x {args.gen_tokens} greedy tokens",
+                ["read", "LAMBADA ppl", "÷ full [95%]", "÷ baseline [95%]", "repeat-4", "÷ full"],
+                [[name, f"{result[name]['lambada_ppl']:.1f}", ratio(result[name].get("lambada_vs_full")),
+                  ratio(result[name].get("lambada_vs_baseline")) if name != "full_model" else "",
+                  f"{result[name]['repeat4']:.3f}",
+                  f"{result[name].get('repeat4_vs_full') or 0:.2f}" if name != "full_model" else "1"]
+                 for name in ("full_model", "baseline", args.variant)])
 
 if __name__ == "__main__":
     main()
