@@ -23,7 +23,8 @@ not scored). SLO targets are absolute: the fractions times the full model's TTFT
 prompt on this machine (full model, full prompt, no TLM; the median of --full-runs generate calls per
 item). The SDK decides against this machine's device profile (`measure_profile`, measured at the start,
 plus each TLM's own time) with the TLM decision and compression inside the measured TTFT; each policy's
-copy of the profile recalibrates from the requests it serves (`Drift`, --drift-quantile; ShortGPT's depth
+copy of the profile recalibrates from the requests it serves (`Drift`, --drift-quantile, with the SDK's
+serving headroom on top, --drift-headroom; ShortGPT's depth
 profile the same way), as a device's would. A violation is
 a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio, level) cell:
 
@@ -55,7 +56,8 @@ trace (asserted), decisions are deterministic per pair, and the j-th request of 
 j-th α = 0 measurement (cycling). Intervals are 95% bootstrap intervals resampling items (a request
 repeating an item is not new evidence); the paired differences are ours (utility) − each baseline that
 respects the cost model (and the best of them), over the same requests. The unserved references
-(random feasible, task lookup, oracle) see the profile as measured, without `Drift`'s margin.
+(random feasible, task lookup, oracle) see the profile as measured times `Drift`'s headroom (what every
+served policy's profile starts from), without the quantile they would learn only by serving.
 Violations are counted on this machine while others run: they mean something only on a quiet
 machine; the load average is in the JSON.
 
@@ -83,6 +85,7 @@ from common import ROOT, print_table
 
 from device_sdk.format import CloneProfile
 from device_sdk.latency import (
+    SERVING_HEADROOM,
     SLO,
     Decision,
     Drift,
@@ -191,6 +194,8 @@ def main() -> None:
     parser.add_argument("--drift-quantile", default="0.9",
                         help="every policy's profile scales predictions by this quantile of the measured ÷ predicted "
                              "ratios of the requests it served (device_sdk.latency.Drift); 'none': the profile as measured")
+    parser.add_argument("--drift-headroom", type=float, default=SERVING_HEADROOM,
+                        help="and by this margin on top (Drift.headroom; the SDK serves with SERVING_HEADROOM)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="4 held-out items per task, 48 requests")
     parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace.json")
@@ -265,7 +270,10 @@ def main() -> None:
         model.set_widths(profile.attn_units, profile.mlp_units)
         depth_latency[name] = measure_level(model, PROFILE_LENGTHS, decode_tokens=16, repeats=5)
     quantile = None if args.drift_quantile == "none" else float(args.drift_quantile)
-    depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency, drift=Drift(quantile))
+    def drift() -> Drift:
+        return Drift(quantile, headroom=args.drift_headroom)
+
+    depth_device = LatencyProfile(device.weight_format, device.threads, depth_latency, drift=drift())
     model.profiles = lambda: depth_profiles  # served as CLONE profiles are
     items_by_id = {}
     for span in args.test_ranges.split(","):
@@ -322,7 +330,7 @@ def main() -> None:
         "ShortGPT": (None, None, False),
     }
     profiles = {policy: LatencyProfile(device.weight_format, device.threads, device.levels,
-                                       tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]), drift=Drift(quantile))
+                                       tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]), drift=drift())
                 for policy in SERVED}
 
     def use(policy: str) -> None:
@@ -359,7 +367,7 @@ def main() -> None:
     for j, request in enumerate(base):
         occurrences.setdefault((request.item, request.slo_class), []).append(j)
     unserved = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
-                                             tlm=tlm_latency["ours (utility)"]), False, True)
+                                             tlm=tlm_latency["ours (utility)"], drift=drift()), False, True)
     cell_ms = {i: torch.tensor([[predicted_ttft_ms(unserved, m, r, n_tokens[i], n_kept[i])
                                  + args.new_tokens * unserved.tpot_ms(m) for m in levels] for r in ratios])
                for i in row}  # the task lookup's ties go to the cheaper cell
@@ -401,7 +409,7 @@ def main() -> None:
               "device_profile": {m: vars(v) for m, v in device.levels.items()},
               "tlm_latency": {k: vars(v) for k, v in tlm_latency.items()},
               "shortgpt_profile": {m: vars(v) for m, v in depth_latency.items()},
-              "drift_quantile": quantile,
+              "drift_quantile": quantile, "drift_headroom": args.drift_headroom if quantile else None,
               "drift_factors_at_end": {policy: {m: [profile.drift.factor("ttft", m), profile.drift.factor("tpot", m)]
                                                 for m in profile.levels}
                                        for policy, profile in [*profiles.items(), ("ShortGPT", depth_device)]},

@@ -33,6 +33,17 @@ def _drift_quantile(text: str) -> float | None:
     return value
 
 
+def _drift_headroom(text: str) -> float:
+    """argparse type of --drift-headroom: a margin of at least 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value >= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a margin of at least 1 (1.04: 4%), got {text!r}")
+    return value
+
+
 def _slo(args):
     from device_sdk.latency import SLO
 
@@ -174,14 +185,15 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from device_sdk.latency import Drift
+    from device_sdk.latency import SERVING_HEADROOM, Drift
     from device_sdk.runtime import ElasticModel
     from device_sdk.serve import make_server
 
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
-    if args.drift_quantile != Drift.quantile:  # reads (or measures) the profile now rather than at the first SLO
-        model.latency_profile.drift = Drift(quantile=args.drift_quantile)
+    if (args.drift_quantile, args.drift_headroom) != (Drift.quantile, SERVING_HEADROOM):
+        # reads (or measures) the profile now rather than at the first SLO
+        model.latency_profile.drift = Drift(quantile=args.drift_quantile, headroom=args.drift_headroom)
     server = make_server(model, args.host, args.port, args.max_queue)
     base = f"http://{args.host}:{server.server_address[1]}/v1"
     chat = f" and {base}/chat/completions" if server.service.chat_template else " (no chat template in the package)"
@@ -300,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--drift-quantile", type=_drift_quantile, default=0.9,
                        help="SLO decisions scale the profile's predictions by this quantile of the recent measured ÷ "
                             "predicted ratios of served requests; 'off': the profile as measured")
+    serve.add_argument("--drift-headroom", type=_drift_headroom, default=1.04,
+                       help="and by this margin on top, so that cells at an SLO's boundary are not chosen; 1: none")
 
     export = package_command("export", "write one level (or CLONE profile), its recovery LoRA merged in, as a GGUF "
                                        "file (llama.cpp) or a transformers directory; or every level's peft adapter",

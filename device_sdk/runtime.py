@@ -35,7 +35,16 @@ from device_sdk.format import (
     safetensors_layout,
 )
 from device_sdk.kernels import NativeDecoder, make_linear
-from device_sdk.latency import SLO, Decision, LatencyProfile, choose_level, estimate_profile, profile_path
+from device_sdk.latency import (
+    SERVING_HEADROOM,
+    SLO,
+    Decision,
+    Drift,
+    LatencyProfile,
+    choose_level,
+    estimate_profile,
+    profile_path,
+)
 from device_sdk.llama import Projection, Transformer
 from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
 from device_sdk.registry import read_local_state, verify_local
@@ -387,6 +396,7 @@ class ElasticModel:
         if self._profile is None:
             path = profile_path(self.package_dir, self.weight_format)
             profile = LatencyProfile.load(path) if path.is_file() else estimate_profile(self)
+            profile.drift = Drift(headroom=SERVING_HEADROOM)
             if self.tlm is not None and profile.tlm is None:  # the TLM's time counts in TTFT: time it here, once
                 profile.tlm = measure_tlm_latency(self.tlm)
             self._profile = profile

@@ -103,6 +103,22 @@ def test_drift_scales_by_an_upper_quantile_of_a_levels_recent_ratios():
     assert Drift(quantile=None, min_samples=1).factor("ttft", "0.5") == 1.0
 
 
+def test_drift_headroom_keeps_boundary_cells_out_from_the_first_request_on():
+    drift = Drift(quantile=0.9, window=10, min_samples=4, headroom=1.04)
+    assert drift.factor("ttft", "0.5") == pytest.approx(1.04)  # before any request
+    for ratio in (1.0, 1.1, 1.2, 1.3):
+        drift.observe("ttft", "0.5", 100.0 * ratio, 100.0)
+    assert drift.factor("ttft", "0.5") == pytest.approx(1.27 * 1.04)  # on top of the quantile
+    assert Drift(quantile=None, headroom=1.04).factor("ttft", "0.5") == 1.0  # off is the profile as measured
+    profile = LatencyProfile("fp32", 1, {"0.5": LevelLatency(10.0, 1.0, 5.0), "1.0": LevelLatency(20.0, 2.0, 10.0)},
+                             drift=Drift(headroom=1.04))
+    assert sdk_feasible(profile, "0.5", 1.0, 100, SLO(ttft_ms=115.0, tpot_ms=6.0))  # predicted 110 × 1.04
+    assert not sdk_feasible(profile, "0.5", 1.0, 100, SLO(ttft_ms=112.0, tpot_ms=6.0))  # 2% is too close
+    for bad in (0.99, 0.0, float("nan")):
+        with pytest.raises(ValueError, match="at least 1.0"):
+            Drift(headroom=bad)
+
+
 def test_a_profile_that_served_slow_requests_stops_promising_the_cells_that_missed():
     profile = LatencyProfile("fp32", 1, {"0.5": LevelLatency(10.0, 1.0, 5.0), "1.0": LevelLatency(20.0, 2.0, 10.0)})
     slo = SLO(ttft_ms=115.0, tpot_ms=6.0)

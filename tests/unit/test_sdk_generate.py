@@ -181,6 +181,19 @@ def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
     assert "saved" in capsys.readouterr().out
 
 
+def test_a_loaded_model_keeps_the_serving_headroom_off_the_slo_boundary(package):
+    from device_sdk.latency import SERVING_HEADROOM, Drift, LevelLatency
+
+    model = ElasticModel.load(package, allow_unsigned=True)
+    profile = model.latency_profile  # the package's (or an estimate), served with the SDK's headroom
+    assert profile.drift.headroom == SERVING_HEADROOM > 1.0
+    profile.levels = {name: LevelLatency(1.0, 0.0, 1.0 * (i + 1)) for i, name in enumerate(model.available_levels())}
+    boundary = SLO(tpot_ms=2.0 * 1.02)  # level 0.5's TPOT is 2 ms: 2% inside the target
+    assert model.generate("hello", slo=boundary, max_new_tokens=2).level == "0.25"
+    profile.drift = Drift(headroom=1.0)  # a build's cost model, as measured
+    assert model.generate("hello", slo=boundary, max_new_tokens=2).level == "0.5"
+
+
 def test_measured_levels_keep_their_ttft_points_and_skip_lengths_the_model_cannot_hold(model):
     from device_sdk.latency import measure_level
 
@@ -221,8 +234,8 @@ def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
 
 
 def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
-    from device_sdk.cli import _drift_quantile
-    from device_sdk.latency import Drift
+    from device_sdk.cli import _drift_headroom, _drift_quantile
+    from device_sdk.latency import SERVING_HEADROOM, Drift
 
     assert _drift_quantile("off") is None and _drift_quantile("0.5") == 0.5 and _drift_quantile("1") == 1.0
     assert Drift.quantile == 0.9  # the serve flag's default is the SDK's
@@ -231,6 +244,11 @@ def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
         with pytest.raises(SystemExit) as exited:
             device_cli(["serve", str(package), "--public-key", key, "--drift-quantile", bad])
         assert exited.value.code == 2 and "quantile in (0, 1]" in capsys.readouterr().err
+    assert _drift_headroom("1") == 1.0 and _drift_headroom("1.04") == SERVING_HEADROOM  # the flag's default
+    for bad in ("0.9", "-1", "wide"):
+        with pytest.raises(SystemExit) as exited:
+            device_cli(["serve", str(package), "--public-key", key, "--drift-headroom", bad])
+        assert exited.value.code == 2 and "margin of at least 1" in capsys.readouterr().err
 
 
 def test_sdk_slo_request_field_is_validated():
