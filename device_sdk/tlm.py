@@ -291,6 +291,8 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
     on the whole prompt by the profile rule (`choose_level`): when the largest usable level meets the
     SLO without the TLM but not with it (at (1, 1) it never does: asking could only push the request
     to a worse cell), and when no cell meets it with the TLM's time but some level does without.
+    Where nothing meets it either way, the lightest level is served on the whole prompt or compressed
+    to the smallest ratio, whichever is predicted to start sooner.
     """
 
     def decide(prompt: str, prompt_tokens: int, slo: SLO, profile: LatencyProfile, levels: list[LevelShape],
@@ -305,10 +307,17 @@ def tlm_decider(tlm: TLM) -> Callable[..., Decision]:
             return m in held and feasible(profile, m, r, prompt_tokens, target, kept_tokens)
 
         without_tlm = choose_level(prompt, prompt_tokens, target, profile, levels)
+        any_cell = any(is_feasible(r, m) for r in tlm.ratios for m in tlm.levels)
         if without_tlm.feasible and not is_feasible(1.0, without_tlm.level) and (
-                without_tlm.level == max(held, key=Level)
-                or not any(is_feasible(r, m) for r in tlm.ratios for m in tlm.levels)):
+                without_tlm.level == max(held, key=Level) or not any_cell):
             return without_tlm
+        if not (without_tlm.feasible or any_cell):
+            # Nothing meets the SLO: the best effort is the lightest level served soonest. On a short
+            # prompt the TLM's own time outweighs what compressing saves, so it is not asked at all.
+            lightest = without_tlm.level
+            if profile.ttft_ms(lightest, prompt_tokens) <= predicted_ttft_ms(profile, lightest, min(tlm.ratios),
+                                                                             prompt_tokens, kept_tokens):
+                return without_tlm
 
         if getattr(tlm, "decision_head", "slo_token") == "utility":  # the SLO masks; the head ranks what remains
             ratio, level, met = best_utility_cell(

@@ -408,11 +408,19 @@ def test_the_tlm_is_skipped_where_its_own_time_is_all_that_misses_the_slo():
     chosen = decide("Why?", 100, slo, slow_tlm, everything)
     assert (chosen.level, chosen.prompt_ratio, chosen.feasible) == ("0.5", 1.0, True) and tlm.asked == 0
     assert not chosen.tlm_ran  # its time is not in this request's TTFT
-    # With a TLM cheap enough to leave cells, it is asked; with no level meeting it at all, it makes the best effort.
-    chosen = decide("Why?", 100, slo, _profile(tlm=TLMLatency(0.1, 0.0, 0.1, 0.0)), everything)
+    # With a TLM cheap enough to leave cells, it is asked.
+    cheap_tlm = _profile(tlm=TLMLatency(0.1, 0.0, 0.1, 0.0))
+    chosen = decide("Why?", 100, slo, cheap_tlm, everything)
     assert tlm.asked == 1 and chosen.feasible and chosen.tlm_ran
+    # With no cell meeting the SLO either way, the best effort is the lightest level served soonest: on the
+    # whole prompt where the TLM's time outweighs what compressing saves, else compressed to the smallest ratio.
     chosen = decide("Why?", 100, SLO(ttft_ms=1e-6), slow_tlm, everything)
-    assert tlm.asked == 2 and not chosen.feasible and chosen.level == "0.25"
+    assert (chosen.level, chosen.prompt_ratio, chosen.feasible, chosen.tlm_ran) == ("0.25", 1.0, False, False)
+    assert tlm.asked == 1
+    assert slow_tlm.ttft_ms("0.25", 100) < predicted_ttft_ms(slow_tlm, "0.25", min(RATIOS), 100)
+    chosen = decide("Why?", 100, SLO(ttft_ms=1e-6), cheap_tlm, everything)
+    assert (chosen.level, chosen.feasible, chosen.tlm_ran) == ("0.25", False, True) and tlm.asked == 2
+    assert predicted_ttft_ms(cheap_tlm, "0.25", chosen.prompt_ratio, 100) < cheap_tlm.ttft_ms("0.25", 100)
 
 
 def test_the_kept_end_is_served_whole_and_never_scored():
