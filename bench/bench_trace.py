@@ -203,6 +203,8 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true", help="redraw --png from the --results JSON")
     parser.add_argument("--markdown", action="store_true", help="print the README's tables from the --results JSON")
     args = parser.parse_args()
+    if not args.drift_headroom >= 1.0:  # refused now, not after the device profile
+        parser.error(f"--drift-headroom is a margin of at least 1, got {args.drift_headroom}")
     if args.markdown:
         print(markdown(json.loads(args.results.read_text())))
         return
