@@ -35,10 +35,10 @@ a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio
   ShortGPT           drop the layers of least block influence (the package's profile scores) down to
                      the deepest feasible depth: 0-width layers through the SDK's per-layer widths (as a
                      CLONE profile), each depth's latency line measured on this machine like a level's
-  random feasible    the exact expectation of a uniform draw among feasible cells (not served)
   task lookup        the strongest simple policy: per task, the feasible cell most often right on the
                      held-in items, ties to the cheaper (a 6 × 15 table; the prompt's few-shot block
-                     names its task; not served: scored on the same cost model as random feasible)
+                     names its task); no TLM decision, the score head compresses below ratio 1
+  random feasible    the exact expectation of a uniform draw among feasible cells (not served)
   oracle             the best feasible cell per item: an upper bound, not a policy (not served)
 
 Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`); every cost model counts
@@ -55,14 +55,15 @@ as one); the label's compression is the label stage's.
 trace (asserted), decisions are deterministic per pair, and the j-th request of a pair takes the pair's
 j-th α = 0 measurement (cycling). Intervals are 95% bootstrap intervals resampling items (a request
 repeating an item is not new evidence); the paired differences are ours (utility) − each baseline that
-respects the cost model (and the best of them), over the same requests. The unserved references
-(random feasible, task lookup, oracle) see the profile as measured times `Drift`'s headroom (what every
-served policy's profile starts from), without the quantile they would learn only by serving.
+respects the cost model (and the best of them), over the same requests. The two unserved references
+(random feasible, oracle) pick among the cells ours (utility)'s profile called feasible at that request,
+its learned `Drift` and the headroom included, paying compression but no decision: the same feasible set
+ours chose from, so the comparison is of the choice within it (`reference_mask` in its rows).
 Violations are counted on this machine while others run: they mean something only on a quiet
 machine; the load average is in the JSON.
 
   nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
-                                                        # the committed run (~50 min once labelled;
+                                                        # the committed run (~1 h once labelled;
                                                         # labelling the 1,080 held-in items ~1 h on two cores)
   nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
 """
@@ -100,6 +101,7 @@ from pipeline import label
 from pipeline.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
+    cell_cost_ms,
     feasible_mask,
     held_in_rates,
     largest_level_full_prompt,
@@ -114,9 +116,11 @@ from pipeline.trace import (
 )
 
 PROFILE_LENGTHS = (32, 128, 256, 512, 1024)  # prompt tokens timed per level and depth: BoolQ's reach ~940
-SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT"]
+SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT", "task lookup"]
 BASELINES = ["LLM-Pruner", "LLMLingua-2", "ShortGPT", "random feasible", "task lookup"]
-UNSERVED = ["random feasible", "task lookup", "oracle"]
+UNSERVED = ["random feasible", "oracle"]
+# The unserved references score on the cells this policy's profile called feasible at each request.
+REFERENCE_POLICY = "ours (utility)"
 
 
 class LabelledGrid:
@@ -296,10 +300,15 @@ def main() -> None:
     n_tokens = {i: int(tokens[row[i]]) for i in row}
     n_kept = {i: len(model.tokenizer.encode(kept[i], add_special_tokens=False).ids) if kept[i] else 0 for i in row}
 
+    task_of_prompt = {prompts[i]: meta["items"][row[i]]["task"] for i in row}
+
     def baseline_decider(choose, decides: bool, compresses: bool):
+        """A cost-model rule as the SDK's decide: `choose(mask, cost, prompt)` picks (ratio, level) indices."""
         def decide(prompt, prompt_tokens, slo, profile, _levels, kept_tokens=0):
             paid = policy_profile(profile, decides, compresses)
-            r, m, met = choose(feasible_mask(paid, ratios, levels, prompt_tokens, slo, kept_tokens))
+            mask = feasible_mask(paid, ratios, levels, prompt_tokens, slo, kept_tokens)
+            cost = cell_cost_ms(paid, ratios, levels, prompt_tokens, args.new_tokens, kept_tokens)
+            r, m, met = choose(mask, cost, prompt)
             return Decision(levels[m], ratios[r], met)
         return decide
 
@@ -320,16 +329,26 @@ def main() -> None:
         r, m = ratios.index(decision.prompt_ratio), levels.index(decision.level)
         paid = policy_profile(seen, decision.tlm_ran, model.compress is not None)  # as the decision saw it
         predicted = [predicted_ttft_ms(paid, levels[m], ratios[r], n_tokens[item], n_kept[item]), paid.tpot_ms(levels[m])]
-        return served | {"cell": [ratios[r], levels[m]], "feasible": decision.feasible, "tlm_ran": decision.tlm_ran,
-                         "correct": bool(correct[row[item], r, m]), "predicted_ms": predicted}
+        served |= {"cell": [ratios[r], levels[m]], "feasible": decision.feasible, "tlm_ran": decision.tlm_ran,
+                   "correct": bool(correct[row[item], r, m]), "predicted_ms": predicted}
+        if policy == REFERENCE_POLICY:  # its cells as its profile stood, paying compression but no decision
+            mask = feasible_mask(policy_profile(seen, False, True), ratios, levels, n_tokens[item], slo, n_kept[item])
+            served["reference_mask"] = mask.int().tolist()
+        return served
 
     setups = {
         "ours (utility)": (heads["ours (utility)"], tlm_decider(heads["ours (utility)"]), True),
         "ours (SLO-token)": (heads["ours (SLO-token)"],
                              tlm_decider(LabelledGrid(heads["ours (SLO-token)"], ratios, levels)), True),
-        "LLM-Pruner": (None, baseline_decider(largest_level_full_prompt, False, False), False),
-        "LLMLingua-2": (heads["ours (utility)"], baseline_decider(largest_level_most_kept, False, True), True),
+        "LLM-Pruner": (None, baseline_decider(lambda mask, cost, prompt: largest_level_full_prompt(mask), False, False),
+                       False),
+        "LLMLingua-2": (heads["ours (utility)"],
+                        baseline_decider(lambda mask, cost, prompt: largest_level_most_kept(mask), False, True), True),
         "ShortGPT": (None, None, False),
+        # The task's held-in table decides (no TLM decision); cells below ratio 1 compress with the score head.
+        "task lookup": (heads["ours (utility)"],
+                        baseline_decider(lambda mask, cost, prompt: utility_choice(lookup[task_of_prompt[prompt]], mask,
+                                                                                   cost), False, True), True),
     }
     profiles = {policy: LatencyProfile(device.weight_format, device.threads, device.levels,
                                        tlm=tlm_latency.get(policy, tlm_latency["ours (utility)"]), drift=drift())
@@ -368,11 +387,6 @@ def main() -> None:
     occurrences = {}
     for j, request in enumerate(base):
         occurrences.setdefault((request.item, request.slo_class), []).append(j)
-    unserved = policy_profile(LatencyProfile(device.weight_format, device.threads, device.levels,
-                                             tlm=tlm_latency["ours (utility)"], drift=drift()), False, True)
-    cell_ms = {i: torch.tensor([[predicted_ttft_ms(unserved, m, r, n_tokens[i], n_kept[i])
-                                 + args.new_tokens * unserved.tpot_ms(m) for m in levels] for r in ratios])
-               for i in row}  # the task lookup's ties go to the cheaper cell
     results = {}
     for alpha, trace in traces.items():
         seen: dict[tuple, int] = {}
@@ -385,14 +399,10 @@ def main() -> None:
             for policy in SERVED:
                 for field in ("correct", "violated", "feasible"):
                     per[policy][field].append(served[policy][j][field])
-            slo_class = TRACE_CLASSES[request.slo_class]
-            target = SLO(slo_class[0] * full[request.item][0], slo_class[1] * full[request.item][1])
-            mask = feasible_mask(unserved, ratios, levels, n_tokens[request.item], target, n_kept[request.item])
+            mask = torch.tensor(served[REFERENCE_POLICY][j]["reference_mask"], dtype=torch.bool)
             cells = correct[row[request.item]]
             per["random feasible"]["correct"].append(random_feasible_expectation(cells, mask))
             per["oracle"]["correct"].append(oracle(cells, mask))
-            r, m, _ = utility_choice(lookup[meta["items"][row[request.item]]["task"]], mask, cell_ms[request.item])
-            per["task lookup"]["correct"].append(float(cells[r, m]))
             for name in UNSERVED:
                 per[name]["feasible"].append(bool(mask.any()))
         results[alpha] = summarise(trace, per)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from device_sdk.latency import SLO, LatencyProfile, feasible
+from device_sdk.latency import SLO, LatencyProfile, feasible, predicted_ttft_ms
 from device_sdk.tlm import best_feasible_pair, best_utility_cell
 
 # ElastiLM's six SLO classes, (TTFT, TPOT) as fractions of the full model's, loosest first.
@@ -82,6 +82,14 @@ def feasible_mask(profile: LatencyProfile, ratios: Sequence[float], levels: Sequ
     whose last `kept_tokens` are never compressed."""
     return torch.tensor([[feasible(profile, m, r, prompt_tokens, target, kept_tokens) for m in levels]
                          for r in ratios])
+
+
+def cell_cost_ms(profile: LatencyProfile, ratios: Sequence[float], levels: Sequence[str], prompt_tokens: int,
+                 new_tokens: int, kept_tokens: int = 0) -> torch.Tensor:
+    """[ratios, levels] float: each cell's predicted time to answer, TTFT plus `new_tokens` × TPOT, by which
+    a policy breaks ties in favour of the cheaper cell."""
+    return torch.tensor([[predicted_ttft_ms(profile, m, r, prompt_tokens, kept_tokens) + new_tokens * profile.tpot_ms(m)
+                          for m in levels] for r in ratios])
 
 
 # --------------------------------------------------------------------------- the policies' choice

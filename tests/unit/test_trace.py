@@ -14,6 +14,7 @@ from device_sdk.latency import SLO, LatencyProfile, LevelLatency, TLMLatency, ch
 from pipeline.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
+    cell_cost_ms,
     class_counts,
     feasible_mask,
     held_in_rates,
@@ -87,7 +88,23 @@ def _profile(rng: random.Random, scale: float = 1.0, tlm: TLMLatency | None = No
 
 
 def _cost(profile: LatencyProfile) -> torch.Tensor:
-    return torch.tensor([[predicted_ttft_ms(profile, m, r, TOKENS) + profile.tpot_ms(m) for m in LEVELS] for r in RATIOS])
+    return cell_cost_ms(profile, RATIOS, LEVELS, TOKENS, new_tokens=1)
+
+
+def test_a_cells_cost_is_its_predicted_ttft_plus_each_new_tokens_tpot():
+    tlm = TLMLatency(2.0, 0.1, 3.0, 0.05)  # decide 2 + 0.1/token; compress 3 + 0.05/token
+    profile = LatencyProfile("fp32", 1, {"0.5": LevelLatency(10.0, 1.0, 20.0), "1.0": LevelLatency(10.0, 2.0, 40.0)},
+                             tlm=tlm)
+    cost = cell_cost_ms(profile, [0.5, 1.0], ["0.5", "1.0"], 100, new_tokens=6, kept_tokens=20)
+    # Ratio 0.5 serves 20 + 0.5 × 80 = 60 tokens and pays the TLM's decision over the 100 tokens and its
+    # compression over the 80 it may drop from; the full prompt pays the decision only.
+    decide, compress = 2.0 + 0.1 * 100, 3.0 + 0.05 * 80
+    assert cost.shape == (2, 2)
+    assert cost[0, 0] == pytest.approx(decide + compress + 10.0 + 1.0 * 60 + 6 * 20.0)
+    assert cost[1, 1] == pytest.approx(decide + 10.0 + 2.0 * 100 + 6 * 40.0)
+    for r, ratio in enumerate([0.5, 1.0]):
+        for m, level in enumerate(["0.5", "1.0"]):
+            assert cost[r, m] == pytest.approx(predicted_ttft_ms(profile, level, ratio, 100, 20) + 6 * profile.tpot_ms(level))
 
 
 def _choices(mask: torch.Tensor, cost: torch.Tensor, utility: torch.Tensor, ratio_lp, level_lp) -> dict:
