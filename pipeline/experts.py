@@ -24,6 +24,7 @@ from pipeline.recover import (
     IGNORE,
     add_lora,
     level_submodel,
+    padded_batches,
     save_adapter,
     train_torch,
     unit_major_adapter,
@@ -86,15 +87,7 @@ def answer_batches(tokenizer, items: list[MCItem], settings: ExpertSettings) -> 
         ids = (prompt + answer)[-settings.seq_len:]
         labels = ([IGNORE] * len(prompt) + answer)[-settings.seq_len:]
         examples.append((ids, labels))
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed)).tolist()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batches = []
-    for step in range(settings.steps):
-        chosen = [examples[order[(step * settings.batch_size + i) % len(order)]] for i in range(settings.batch_size)]
-        width = max(len(ids) for ids, _ in chosen)
-        batches.append((torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in chosen]),
-                        torch.tensor([lab + [IGNORE] * (width - len(lab)) for _, lab in chosen])))
-    return batches
+    return padded_batches(examples, tokenizer, settings.steps, settings.batch_size, settings.seed)
 
 
 def answer_loss(hf, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:

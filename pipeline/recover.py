@@ -195,11 +195,18 @@ def instruction_batches(tokenizer, path: Path, settings: RecoverSettings) -> lis
     examples = [e for e in examples if any(label != IGNORE for label in e[1][1:])]
     if not examples:
         raise RecoverError(f"{path} holds no example with response tokens inside seq_len={settings.seq_len}")
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(settings.seed)).tolist()
+    return padded_batches(examples, tokenizer, settings.steps, settings.batch_size, settings.seed)
+
+
+def padded_batches(examples: list[tuple[list[int], list[int]]], tokenizer, steps: int, batch_size: int,
+                   seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` (ids, labels) batches of `batch_size` examples, cycling through one seeded permutation, each
+    batch right-padded to its longest example (padding labelled IGNORE)."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batches = []
-    for step in range(settings.steps):
-        chosen = [examples[order[(step * settings.batch_size + i) % len(order)]] for i in range(settings.batch_size)]
+    for step in range(steps):
+        chosen = [examples[order[(step * batch_size + i) % len(order)]] for i in range(batch_size)]
         width = max(len(ids) for ids, _ in chosen)
         # Right padding under causal attention never changes the real tokens' outputs.
         ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in chosen])

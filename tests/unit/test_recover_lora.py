@@ -80,3 +80,28 @@ def test_recover_rejects_bad_settings():
         RecoverSettings(level="0.5", backend="horovod")
     with pytest.raises(ValidationError, match="targets"):
         RecoverSettings(level="0.5", targets=["lm_head"])
+
+
+def test_padded_batches_cycle_one_seeded_order_and_pad_labels_out_of_the_loss():
+    from types import SimpleNamespace
+
+    from pipeline.recover import IGNORE, padded_batches
+
+    examples = [([i] * (i + 1), [IGNORE] + [i] * i) for i in range(5)]  # example i: i + 1 tokens
+    tokenizer = SimpleNamespace(pad_token_id=None)  # no pad token: 0 pads
+    batches = padded_batches(examples, tokenizer, steps=4, batch_size=3, seed=7)
+    assert len(batches) == 4
+    seen = []
+    for ids, labels in batches:
+        assert ids.shape == labels.shape and ids.shape[0] == 3
+        for row, label_row in zip(ids.tolist(), labels.tolist(), strict=True):
+            i = row[0]
+            seen.append(i)
+            assert row == [i] * (i + 1) + [0] * (ids.shape[1] - i - 1)  # right-padded
+            assert label_row == [IGNORE] + [i] * i + [IGNORE] * (ids.shape[1] - i - 1)
+        assert ids.shape[1] == max(row[0] for row in ids.tolist()) + 1  # as wide as its longest example
+    assert sorted(seen[:5]) == list(range(5))  # every example once before any repeats
+    assert seen[5:] == seen[:7]  # then the same order again
+    again = padded_batches(examples, tokenizer, steps=4, batch_size=3, seed=7)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(batches, again, strict=True))
+    assert [r[0] for ids, _ in padded_batches(examples, tokenizer, 4, 3, seed=8) for r in ids.tolist()] != seen
