@@ -11,7 +11,7 @@ fractions) (1, 1), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5); c
 k mod len(tasks) (six tasks by default, one per class, with their five-shot blocks) and asks that
 task's held-out items, each about equally often. Class skew α: class k gets a share
 ∝ (1 + α)^k (0 = loosest), rounded so the counts sum to the total; α = 0, +0.25 (tight-heavy), −0.25.
-The trace is shuffled with --seed.
+--seed shuffles the trace and seeds both decision heads' training.
 
 Serving. One SDK model (`ElasticModel`, native decoder, --threads, one by default) serves every
 request of the α = 0 trace once per served policy through `generate` with --new-tokens new tokens, item
@@ -238,8 +238,8 @@ def main() -> None:
         test_pairs += [(shards[f"correctness.{k}"], shards[f"meta.{k}"]) for k in range(len(shards) // 2)]
     tag = held_in_tag(tasks, args.shots, args.train_items)  # bench_decision_head's outputs are reused
     labels = derive(package, lat, train_shards, out / f"derive{tag}")
-    heads = {name: TLM.load(train(score, labels, head, 0,
-                                  out / f"decision-{head}-{args.margin_temperature}-0{tag}-{args.decision_steps}steps",
+    heads = {name: TLM.load(train(score, labels, head, args.seed,
+                                  out / f"decision-{head}-{args.margin_temperature}-{args.seed}{tag}-{args.decision_steps}steps",
                                   args.margin_temperature, args.decision_steps)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
     correct, tokens, meta = label.load_shards(test_pairs)
