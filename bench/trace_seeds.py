@@ -4,7 +4,7 @@ A run's seed shuffles its trace and seeds both decision heads' training, so one 
 which head is better: the heads differ by a few requests in each. This reads the served policies'
 per-request rows (`served_alpha_0`) of several runs of the same package (so the same held-out items,
 labelled the same) and prints, per run and pooled, each served policy's accuracy and its paired
-difference from ours (utility), with 95% bootstrap intervals that resample items, an item asked in two
+difference from each of ours' heads, with 95% bootstrap intervals that resample items, an item asked in two
 runs being one cluster. The unserved references (random feasible, oracle) have no per-request rows in
 every run, so they are not pooled.
 
@@ -22,7 +22,7 @@ from common import ROOT, print_table
 from device_sdk.format import atomic_write_bytes
 from pipeline.trace import bootstrap_ci, paired_difference_ci
 
-OURS = "ours (utility)"
+HEADS = ["ours (utility)", "ours (SLO-token)"]
 
 
 def served_rows(report: dict) -> dict[str, dict[str, list]]:
@@ -32,18 +32,18 @@ def served_rows(report: dict) -> dict[str, dict[str, list]]:
 
 
 def compare(runs: list[dict[str, dict[str, list]]]) -> dict[str, dict]:
-    """Per policy: accuracy [95%], ours (utility) − it [95%] paired over the same requests, violations where
-    feasible; the requests of every run in `runs` together."""
+    """Per policy: accuracy [95%], each of ours' heads − it [95%] paired over the same requests, violations
+    where feasible; the requests of every run in `runs` together."""
     policies = [p for p in runs[0] if all(p in run for run in runs)]
-    items = [item for run in runs for item in run[OURS]["item"]]
-    ours = [float(c) for run in runs for c in run[OURS]["correct"]]
+    items = [item for run in runs for item in run[HEADS[0]]["item"]]
+    correct = {policy: [float(c) for run in runs for c in run[policy]["correct"]] for policy in policies}
     out = {}
     for policy in policies:
-        correct = [float(c) for run in runs for c in run[policy]["correct"]]
         violations = sum(v and f for run in runs
                          for v, f in zip(run[policy]["violated"], run[policy]["feasible"], strict=True))
-        out[policy] = {"accuracy": bootstrap_ci(correct, items),
-                       "ours_minus": None if policy == OURS else paired_difference_ci(ours, correct, items),
+        out[policy] = {"accuracy": bootstrap_ci(correct[policy], items),
+                       "minus": {head: paired_difference_ci(correct[head], correct[policy], items)
+                                 for head in HEADS if head != policy},
                        "violations_where_feasible": violations,
                        "feasible": sum(f for run in runs for f in run[policy]["feasible"])}
     return out
@@ -69,11 +69,12 @@ def main() -> None:
         return f"{scale * v[0]:{sign}.{digits}f} [{scale * v[1]:{sign}.{digits}f}, {scale * v[2]:{sign}.{digits}f}]"
 
     for name, entry in table.items():
-        rows = [[policy, ci(e["accuracy"]), "—" if e["ours_minus"] is None else ci(e["ours_minus"], 100, 1, "+"),
+        rows = [[policy, ci(e["accuracy"]),
+                 *("—" if head not in e["minus"] else ci(e["minus"][head], 100, 1, "+") for head in HEADS),
                  f"{e['violations_where_feasible']} / {e['feasible']}"] for policy, e in entry.items()]
-        print_table(f"{name}: accuracy [95% item bootstrap]", ["policy", "accuracy", "ours (utility) − it, points",
-                                                               "violations where feasible / requests with a cell"],
-                    rows)
+        print_table(f"{name}: accuracy [95% item bootstrap]",
+                    ["policy", "accuracy", *(f"{head} − it, points" for head in HEADS),
+                     "violations where feasible / requests with a cell"], rows)
     report = {"package": packages.pop(), "runs": [str(p) for p in args.traces], "seeds": seeds, "table": table}
     atomic_write_bytes(args.results, (json.dumps(report, indent=2) + "\n").encode())
     print(f"raw JSON: {args.results}")
