@@ -22,6 +22,16 @@ def smollm2_package(smollm2, tmp_path_factory) -> Path:
                          levels=SMOLLM2_LEVELS, align=32, importance=importance)
 
 
+@pytest.fixture(scope="module")
+def gqa_package(tmp_path_factory) -> Path:
+    """A tiny Llama-GQA package signed with `sdk_packages.signing_key()`, one per test module (some tests
+    write beside it)."""
+    from tests.unit.sdk_packages import signing_key, tiny_package
+
+    _, path = tiny_package("llama_gqa", tmp_path_factory.mktemp("gqa") / "pkg", signing_key())
+    return path
+
+
 @pytest.fixture
 def api(tmp_path):
     """The REST API app over SQLite and a local store, with the cheap test registry (tests/api_support.py)."""

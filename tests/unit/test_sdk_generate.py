@@ -7,7 +7,6 @@ import http.client
 import json
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,20 +15,14 @@ from device_sdk.cli import main as device_cli
 from device_sdk.latency import SLO, Decision, LatencyProfile, profile_path
 from device_sdk.runtime import ElasticModel, Sampling
 from device_sdk.serve import make_server, parse_slo
-from tests.unit.sdk_packages import fixed_profile_model, public_bytes, serving, signing_key, tiny_package
+from tests.unit.sdk_packages import fixed_profile_model, public_bytes, serving, signing_key
 
 KEY = signing_key()
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> Path:
-    _, path = tiny_package("llama_gqa", tmp_path_factory.mktemp("generate") / "pkg", KEY)
-    return path
-
-
 @pytest.fixture
-def model(package) -> ElasticModel:
-    return fixed_profile_model(package)
+def model(gqa_package) -> ElasticModel:
+    return fixed_profile_model(gqa_package)
 
 
 def test_sdk_slo_picks_the_largest_feasible_level(model):
@@ -168,23 +161,23 @@ def test_generate_teaches_the_profile_what_its_decided_requests_measured(model, 
     assert len(seen) == 2
 
 
-def test_sdk_profile_cli_stores_a_profile_beside_the_package(package, capsys):
+def test_sdk_profile_cli_stores_a_profile_beside_the_package(gqa_package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
-    assert device_cli(["profile", str(package), "--public-key", key, "--prompt-lengths", "4", "12",
+    assert device_cli(["profile", str(gqa_package), "--public-key", key, "--prompt-lengths", "4", "12",
                        "--decode-tokens", "3"]) == 0
-    path = profile_path(package, "fp32")
-    assert path.parent == package.parent and path.is_file()
+    path = profile_path(gqa_package, "fp32")
+    assert path.parent == gqa_package.parent and path.is_file()
     profile = LatencyProfile.load(path)
     assert set(profile.levels) == {"0.25", "0.5", "0.75", "1.0"} and not profile.estimated
     assert all(entry.tpot_ms > 0 for entry in profile.levels.values())
-    assert ElasticModel.load(package, allow_unsigned=True).latency_profile.levels == profile.levels
+    assert ElasticModel.load(gqa_package, allow_unsigned=True).latency_profile.levels == profile.levels
     assert "saved" in capsys.readouterr().out
 
 
-def test_a_loaded_model_keeps_the_serving_headroom_off_the_slo_boundary(package):
+def test_a_loaded_model_keeps_the_serving_headroom_off_the_slo_boundary(gqa_package):
     from device_sdk.latency import SERVING_HEADROOM, Drift, LevelLatency
 
-    model = ElasticModel.load(package, allow_unsigned=True)
+    model = ElasticModel.load(gqa_package, allow_unsigned=True)
     profile = model.latency_profile  # the package's (or an estimate), served with the SDK's headroom
     assert profile.drift.headroom == SERVING_HEADROOM > 1.0
     profile.levels = {name: LevelLatency(1.0, 0.0, 1.0 * (i + 1)) for i, name in enumerate(model.available_levels())}
@@ -219,9 +212,9 @@ def test_the_profile_times_a_decode_step_as_generate_runs_it_and_ttft_as_the_med
     assert ttfts == [9.0]
 
 
-def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
+def test_sdk_generate_cli_keep_must_end_the_prompt(gqa_package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
-    common = ["generate", str(package), "--public-key", key, "--max-new-tokens", "2", "--level", "0.5"]
+    common = ["generate", str(gqa_package), "--public-key", key, "--max-new-tokens", "2", "--level", "0.5"]
     assert device_cli([*common, "a passage. Question: why?", "--keep", "Question: why?"]) == 0
     assert "[level 0.5" in capsys.readouterr().err
     assert device_cli([*common, "a passage", "--keep", "why?"]) == 2
@@ -233,7 +226,7 @@ def test_sdk_generate_cli_keep_must_end_the_prompt(package, capsys):
         assert f"error: {named} must be" in capsys.readouterr().err
 
 
-def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
+def test_serve_drift_quantile_is_a_quantile_or_off(gqa_package, capsys):
     from device_sdk.cli import _drift_headroom, _drift_quantile
     from device_sdk.latency import SERVING_HEADROOM, Drift
 
@@ -242,12 +235,12 @@ def test_serve_drift_quantile_is_a_quantile_or_off(package, capsys):
     key = base64.b64encode(public_bytes(KEY)).decode()
     for bad in ("0", "1.5", "median"):
         with pytest.raises(SystemExit) as exited:
-            device_cli(["serve", str(package), "--public-key", key, "--drift-quantile", bad])
+            device_cli(["serve", str(gqa_package), "--public-key", key, "--drift-quantile", bad])
         assert exited.value.code == 2 and "quantile in (0, 1]" in capsys.readouterr().err
     assert _drift_headroom("1") == 1.0 and _drift_headroom("1.04") == SERVING_HEADROOM  # the flag's default
     for bad in ("0.9", "-1", "wide"):
         with pytest.raises(SystemExit) as exited:
-            device_cli(["serve", str(package), "--public-key", key, "--drift-headroom", bad])
+            device_cli(["serve", str(gqa_package), "--public-key", key, "--drift-headroom", bad])
         assert exited.value.code == 2 and "margin of at least 1" in capsys.readouterr().err
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,20 +13,12 @@ from device_sdk.latency import SLO, choose_level, usable_levels
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import best_feasible_pair, tlm_decider
 from pipeline.evaluate import apply_quality
-from tests.unit.sdk_packages import fixed_profile_model, signing_key, tiny_package
-
-KEY = signing_key()
-
-
-@pytest.fixture(scope="module")
-def package(tmp_path_factory) -> Path:
-    _, path = tiny_package("llama_gqa", tmp_path_factory.mktemp("usable") / "pkg", KEY)
-    return path
+from tests.unit.sdk_packages import fixed_profile_model
 
 
 @pytest.fixture
-def model(package) -> ElasticModel:
-    return fixed_profile_model(package)
+def model(gqa_package) -> ElasticModel:
+    return fixed_profile_model(gqa_package)
 
 
 def mark_unusable(model: ElasticModel, *names: str) -> None:
@@ -35,11 +26,11 @@ def mark_unusable(model: ElasticModel, *names: str) -> None:
         model.manifest.elastic.level(name).usable = False
 
 
-def test_usable_flags_reach_the_manifest_and_old_manifests_read_as_usable(package, tmp_path):
+def test_usable_flags_reach_the_manifest_and_old_manifests_read_as_usable(gqa_package, tmp_path):
     import shutil
 
     copy = tmp_path / "pkg"
-    shutil.copytree(package, copy)
+    shutil.copytree(gqa_package, copy)
     card = {"levels": {"0.25": {"ppl:lambada": 90.0, "ppl_ratio:lambada": 4.5, "repeat_4gram_rate": 0.8,
                                 "usable": False, "unusable_because": ["lambada perplexity is 4.50×"]},
                        "0.5": {"ppl:lambada": 40.0, "ppl_ratio:lambada": 2.0, "top1_agreement": 0.7,
