@@ -335,10 +335,10 @@ def main() -> None:
         served |= {"cell": [ratios[r], levels[m]], "feasible": decision.feasible, "tlm_ran": decision.tlm_ran,
                    "correct": bool(correct[row[item], r, m]), "predicted_ms": predicted}
         if policy == REFERENCE_POLICY:  # its cells as its profile stood, paying compression but no decision
-            mask = feasible_mask(policy_profile(seen, False, True), ratios, levels, n_tokens[item], slo, n_kept[item])
+            reference = policy_profile(seen, False, True)
+            mask = feasible_mask(reference, ratios, levels, n_tokens[item], slo, n_kept[item])
             served["reference_mask"] = mask.int().tolist()
-            cost = cell_cost_ms(policy_profile(seen, False, True), ratios, levels, n_tokens[item], args.new_tokens,
-                                n_kept[item])
+            cost = cell_cost_ms(reference, ratios, levels, n_tokens[item], args.new_tokens, n_kept[item])
             served["hindsight_cell"] = list(utility_choice(hindsight[task_of_prompt[prompts[item]]], mask, cost)[:2])
         return served
 
