@@ -101,7 +101,9 @@ def layer_widths(arch: Architecture, keep: float, settings: ElastifySettings) ->
     if keep >= 1.0:
         return arch.kv_heads, arch.intermediate
     per_group, per_neuron = unit_params(arch)
-    if settings.attn_rounding == "up":
+    if settings.attn_rounding == "whole":
+        groups = arch.kv_heads
+    elif settings.attn_rounding == "up":
         groups = min(arch.kv_heads, max(math.ceil(keep * arch.kv_heads - 1e-9), settings.min_units))
     else:
         groups = kept_units(arch.kv_heads, keep, settings.min_units)

@@ -104,7 +104,9 @@ class ElastifySettings(StageSettings):
     anchor_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     align: PositiveInt = 32  # MLP neurons are kept in multiples of this
     min_units: PositiveInt = 1
-    attn_rounding: Literal["up", "nearest"] = "up"  # KV groups kept at a width (pipeline.elastify.layer_widths)
+    # KV groups kept at a width (pipeline.elastify.layer_widths); "whole": attention never shrinks and
+    # the MLP alone is elastic, as MatFormer nests only the FFN
+    attn_rounding: Literal["up", "nearest", "whole"] = "up"
     order: Order = "taylor"
     seed: int = 0
     dtype: DType = "float32"

@@ -217,6 +217,27 @@ def test_levels_hit_their_parameter_budget_with_or_without_anchors():
             assert all(b <= a for b, a in zip(below.mlp_units + below.attn_units, above.mlp_units + above.attn_units, strict=True))
 
 
+def test_whole_attention_makes_the_mlp_alone_elastic_at_the_same_budget():
+    """attn_rounding="whole" (MatFormer's shape): every KV group at every level, the MLP pays for the level."""
+    from device_sdk.format import Architecture
+    from pipeline.elastify import unit_params
+
+    arch = Architecture(family="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,
+                        intermediate=1536, vocab=49152, norm_eps=1e-5, rope={"rope_theta": 1e5})
+    per_group, per_neuron = unit_params(arch)
+    anchors = [0, 1, 2, 11, 28, 29]
+    whole = {lv.name: lv for lv in level_table(arch, anchors, ElastifySettings(attn_rounding="whole"))}
+    up = {lv.name: lv for lv in level_table(arch, anchors, ElastifySettings(attn_rounding="up"))}
+    for name in ("0.5", "0.7"):
+        assert set(whole[name].attn_units) == {3}
+        assert sum(whole[name].mlp_units) < sum(up[name].mlp_units)
+        elastic = sum(a * per_group + m * per_neuron
+                      for a, m in zip(whole[name].attn_units, whole[name].mlp_units, strict=True))
+        assert abs(elastic / (30 * (3 * per_group + 1536 * per_neuron)) - float(name)) < 0.02, name
+    # at level 0.5 the non-anchor layers keep 0.375 of a layer: 256 of 1536 neurons once attention is paid
+    assert {whole["0.5"].mlp_units[layer] for layer in range(30) if layer not in anchors} == {256}
+
+
 def test_level_switch_is_one_write_and_per_layer_widths_still_work(profiled):
     _, model, arch, importance = profiled
     elastic, _ = elastic_in_memory(model, arch, importance, SETTINGS)
