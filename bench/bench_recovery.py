@@ -273,13 +273,16 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
     curve = []
     started = time.perf_counter()
 
-    def evaluate(step: int) -> None:  # LAMBADA only along the way: the other sets are read at the end, by the SDK
+    def evaluate(step: int) -> None:  # LAMBADA (and greedy loops) along the way; the SDK reads the rest at the end
         point = {"step": step, "tokens": step * tokens_per_step,
-                 "lambada_ppl": math.exp(eval_loss(views.hf, sets.windows["lambada"], 4)),
-                 "elapsed_s": round(time.perf_counter() - started, 1)}
+                 "lambada_ppl": math.exp(eval_loss(views.hf, sets.windows["lambada"], 4))}
+        if args.curve_repeats:
+            point["repeat4"], _ = greedy_repeat4(views.hf, tokenizer, args.gen_tokens)
+        point["elapsed_s"] = round(time.perf_counter() - started, 1)
         curve.append(point)
-        print(f"  [{method} {level}] step {step}: LAMBADA ppl {point['lambada_ppl']:.1f} "
-              f"({point['elapsed_s']} s)", flush=True)
+        print(f"  [{method} {level}] step {step}: LAMBADA ppl {point['lambada_ppl']:.1f}"
+              + (f", repeat-4 {point['repeat4']:.3f}" if args.curve_repeats else "")
+              + f" ({point['elapsed_s']} s)", flush=True)
 
     checkpoints = {round(args.steps * f) for f in (0, 0.25, 0.5, 0.75)}
     losses = train_torch(peft_model, views.hf, CheckpointedBatches(batches, checkpoints, evaluate), settings,
@@ -309,9 +312,10 @@ def training_kinds(corpus_dir: Path) -> dict[str, list[str]]:
 # --------------------------------------------------------------------------- SDK evaluation
 
 
-def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens: int, generate: set[str]) -> dict:
+def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens: int, generate: set[str],
+                per_prompt: bool = False) -> dict:
     """Per level, through the device SDK (adapters as installed): perplexities, and greedy generation health
-    at the levels in `generate`."""
+    at the levels in `generate` (with `per_prompt`, each prompt's generated tokens too)."""
     from pipeline.elastic_model import serving_model
     from pipeline.lm import window_nlls
 
@@ -328,12 +332,34 @@ def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens
             continue
         started = time.perf_counter()
         outputs = [model.generate(p, max_new_tokens=max_new_tokens, level=level) for p in EVERYDAY_PROMPTS]
-        row["repeat4"] = repeated_4gram_rate([[t for t in o.tokens if t not in model.eos_ids] for o in outputs])
+        tokens = [[t for t in o.tokens if t not in model.eos_ids] for o in outputs]
+        row["repeat4"] = repeated_4gram_rate(tokens)
+        if per_prompt:
+            row["outputs"] = tokens
         row["sample"] = {p: o.text for p, o in list(zip(EVERYDAY_PROMPTS, outputs, strict=True))[:3]}
         row["generation_s"] = round(time.perf_counter() - started, 1)
         print(f"  [sdk {package.name} {level}] " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()
                                                              if isinstance(v, float)), flush=True)
     return results
+
+
+@torch.no_grad()
+def greedy_repeat4(hf, tokenizer, max_new_tokens: int) -> tuple[float, list[str]]:
+    """The repeated-4-gram rate of `hf`'s greedy output on the everyday prompts (torch's decoder, not the SDK's),
+    and the first three texts."""
+    was_training = hf.training
+    hf.eval()
+    outputs, texts = [], []
+    for prompt in EVERYDAY_PROMPTS:
+        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+        new = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                          pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        outputs.append(new)
+        texts.append(tokenizer.decode(new))
+    hf.train(was_training)
+    return repeated_4gram_rate(outputs), texts[:3]
 
 
 def run_worker(args) -> None:
@@ -594,6 +620,8 @@ def main() -> None:
     parser.add_argument("--validation-windows", type=int, default=8)
     parser.add_argument("--eval-len", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--curve-repeats", action="store_true",
+                        help="also read greedy repeat-4 (torch's decoder) at every curve point: ~2 min each")
     parser.add_argument("--compare-calibration", default="passages",
                         help="also profile importance on this corpus (none: skip) and compare the unrecovered levels")
     parser.add_argument("--no-compare-previous", dest="compare_previous", action="store_false",
@@ -639,6 +667,7 @@ def main() -> None:
               *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
                   "levels", "steps", "batch_size", "seq_len", "lr", "temperature", "divergence", "lm_weight", "mix", "seed", "precision", "dropout", "rank", "alpha", "on_policy", "rollout_prefix", "unlikelihood", "correct_top_k", "lambada_windows",
                   "heldout_windows", "validation_windows", "eval_len", "gen_tokens"))]
+    common += ["--curve-repeats"] * args.curve_repeats
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
     procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],

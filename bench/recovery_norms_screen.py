@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_recovery import EvalSets, training_kinds
+from bench_recovery import EvalSets, greedy_repeat4, training_kinds
 from common import ROOT, print_table
 
 from device_sdk.format import atomic_write_bytes
-from pipeline.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
+from pipeline.evaluate import GENERATION_PROMPTS
 from pipeline.lm import paired_ratio
 from pipeline.settings import RecoverSettings
 from pipeline.stage import StageContext
@@ -53,21 +53,6 @@ def build(package: Path, settings: RecoverSettings, variant: str):
                         task_type="CAUSAL_LM")
     full = max(model.elastic.levels, key=lambda lv: lv.ratio).name
     return views, get_peft_model(views.hf, config), full
-
-
-@torch.no_grad()
-def greedy_repeat4(hf, tokenizer, max_new_tokens: int) -> tuple[float, list[str]]:
-    hf.eval()
-    outputs, texts = [], []
-    for prompt in GENERATION_PROMPTS:
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-        new = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-                          pad_token_id=tokenizer.eos_token_id)[0, ids.shape[1]:].tolist()
-        if tokenizer.eos_token_id in new:
-            new = new[: new.index(tokenizer.eos_token_id)]
-        outputs.append(new)
-        texts.append(tokenizer.decode(new))
-    return repeated_4gram_rate(outputs), texts[:3]
 
 
 def read(views, sets: EvalSets, tokenizer, max_new_tokens: int) -> dict:
