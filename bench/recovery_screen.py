@@ -96,6 +96,8 @@ def main() -> None:
     parser.add_argument("--what", required=True, help="what the screen changes and holds fixed")
     parser.add_argument("--command", required=True, help="the worker command line, for a rerun")
     parser.add_argument("--note", default="", help="the machine, contention, anything a rerun needs to know")
+    parser.add_argument("--acceptance", type=Path,
+                        help="a bench_recovery result (recovery.json): also pair each run's LAMBADA with its (c) at the level")
     parser.add_argument("--decoding", action="append", default=[],
                         help="NAME=FILE: a `bench_decoding.py --settings greedy` read of that run's package")
     parser.add_argument("--out", type=Path, required=True)
@@ -109,6 +111,19 @@ def main() -> None:
     result = {"what": args.what, "command": args.command, "note": args.note,
               "reference": str(args.reference.relative_to(ROOT)) if args.reference.is_relative_to(ROOT) else
               str(args.reference), **assemble(runs, args.level, full_reference(args.reference))}
+    if args.acceptance:
+        acceptance = json.loads(args.acceptance.read_text())
+        accepted = next((row for row in acceptance["rows"]
+                         if row["level"] == args.level and row["method"] == METHOD), None)
+        if accepted is None:
+            raise SystemExit(f"error: {args.acceptance} has no {METHOD} row at level {args.level}")
+        result["acceptance"] = {"file": str(args.acceptance), "tokens": acceptance["tokens_per_level"],
+                                "lambada_ppl": accepted["lambada_ppl"], "repeat4": accepted["repeat4"],
+                                "curve": acceptance["curves"][METHOD][args.level]}
+        for name, out, _ in runs:
+            quality = json.loads((out / "runs" / f"{METHOD}.json").read_text())["quality"][args.level]
+            result["rows"][name]["lambada_vs_acceptance"] = paired_ratio(quality["lambada_nlls"],
+                                                                         accepted["lambada_nlls"])
     if any("=" not in spec for spec in args.decoding):
         raise SystemExit(f"error: --decoding takes NAME=FILE, got {args.decoding!r}")
     decoding = dict(spec.split("=", 1) for spec in args.decoding)
