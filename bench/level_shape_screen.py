@@ -134,7 +134,7 @@ def assemble(shapes: dict[str, dict], packages: dict[str, Path], reads: dict[str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/level-shapes"))
-    parser.add_argument("--shape", action="append", required=True,
+    parser.add_argument("--shape", action="append", default=[],
                         help="NAME=key=value,... ElastifySettings overrides; the first is the default shape")
     parser.add_argument("--lambada-windows", type=int, default=48)
     parser.add_argument("--gen-tokens", type=int, default=64)
@@ -146,6 +146,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.read:
         return args.read_out.write_text(json.dumps(read_shape(args.read, args)))
+    if not args.shape:
+        raise SystemExit("error: give at least one --shape (the first is the default shape)")
     shapes = dict(parse_shape(spec) for spec in args.shape)
     started = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,7 @@ def main() -> None:
             name, package = pending.pop(0)
             target = package / "shape-read.json"
             running[name] = (subprocess.Popen(
-                [sys.executable, __file__, "--shape", "x=", "--read", str(package), "--read-out", str(target),
+                [sys.executable, __file__, "--read", str(package), "--read-out", str(target),
                  f"--lambada-windows={args.lambada_windows}", f"--gen-tokens={args.gen_tokens}",
                  *(["--full"] if name == next(iter(shapes)) else [])],
                 env={**os.environ, "OMP_NUM_THREADS": "1"}), target)
