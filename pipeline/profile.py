@@ -5,6 +5,9 @@ Unit importance is first-order Taylor over a unit's weights: `Σ|w·∂L/∂w|` 
 Each weight's gradient is folded into unit scores by a hook the moment it is accumulated and
 then freed, and decoder layers are checkpointed, so memory stays close to inference.
 
+Neurons can instead be ranked by activation (`mlp_method="activation"`): Minitron's criterion, the
+size of what a neuron feeds down_proj on calibration text, from forward passes alone.
+
 Layer importance is the loss increase when a layer is skipped (leave-one-out), or ShortGPT's
 block influence `1 − cos(h_in, h_out)` as the cheap option. KV groups can be ranked the same
 leave-one-out way (`attn_method="loo"`): with only a few groups per layer, the first-order
@@ -130,6 +133,31 @@ def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: st
         attn_scores = [s.abs() for s in attn_scores]
         mlp_scores = [s.abs() for s in mlp_scores]
     return [s.float() for s in attn_scores], [s.float() for s in mlp_scores], loss.item() / count
+
+
+@torch.no_grad()
+def neuron_activation_importance(model, windows: torch.Tensor, batch_size: int) -> tuple[list[torch.Tensor], float]:
+    """Per layer, each neuron's SwiGLU output (down_proj's input) as Minitron scores it: the L2 norm over
+    a window's tokens, averaged over windows; and the mean NLL of the windows."""
+    layers = list(model.model.layers)
+    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
+
+    def accumulate(total: torch.Tensor):
+        def hook(module, args) -> None:  # a pre-hook's return value would replace down_proj's input
+            total.add_(args[0].float().norm(dim=1).sum(0).double())
+        return hook
+
+    handles = [layer.mlp.down_proj.register_forward_pre_hook(accumulate(total))
+               for layer, total in zip(layers, scores, strict=True)]
+    loss, count = torch.zeros((), dtype=torch.float64), 0
+    try:
+        for start in range(0, windows.shape[0], batch_size):
+            batch_loss, batch_count = nll_sum(model, windows[start : start + batch_size])
+            loss, count = loss + batch_loss.double(), count + batch_count
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [(total / windows.shape[0]).float() for total in scores], (loss / count).item()
 
 
 # --------------------------------------------------------------------------- layer importance
@@ -271,9 +299,15 @@ def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: i
 
 def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx: StageContext) -> Importance:
     windows = make_windows(tokenizer, settings.calibration, settings.windows, settings.window_length, settings.seed)
-    ctx.report("unit importance (taylor)", 0, 1)
-    attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
-    ctx.report("unit importance (taylor)", 1, 1)
+    attn = mlp = None
+    if settings.attn_method == "taylor" or settings.mlp_method == "taylor":
+        ctx.report("unit importance (taylor)", 0, 1)
+        attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
+        ctx.report("unit importance (taylor)", 1, 1)
+    if settings.mlp_method == "activation":
+        ctx.report("neuron importance (activation)", 0, 1)
+        mlp, loss = neuron_activation_importance(model, windows, settings.batch_size)
+        ctx.report("neuron importance (activation)", 1, 1)
     layer_windows = windows[: settings.layer_windows]
     if settings.attn_method == "loo":
         attn = group_importance_loo(model, arch, layer_windows, settings.batch_size, ctx)

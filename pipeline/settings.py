@@ -36,6 +36,7 @@ MAX_FILES = 64
 Taylor = Literal["param_first", "vectorize"]
 LayerMethod = Literal["loo", "block_influence"]
 AttnMethod = Literal["taylor", "loo"]
+MlpMethod = Literal["taylor", "activation"]
 Order = Literal["taylor", "random"]  # "random" is the ablation baseline
 DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -96,6 +97,8 @@ class ProfileSettings(StageSettings):
     # KV groups are few and coarse (SmolLM2 has 3), so first-order Taylor ranks them poorly;
     # "loo" ranks them by the loss increase when each is removed alone (pipeline.profile).
     attn_method: AttnMethod = "loo"
+    # "activation": Minitron's criterion (pipeline.profile.neuron_activation_importance), forward passes only
+    mlp_method: MlpMethod = "taylor"
     batch_size: PositiveInt = 4
 
 

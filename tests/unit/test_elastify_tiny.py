@@ -7,6 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from device_sdk.elastic import ElasticLinear
+from pipeline.calibration import make_windows
 from pipeline.elastic_model import ElasticCausalLM
 from pipeline.elastify import (
     ElastifySettings,
@@ -292,3 +293,27 @@ def test_profile_ranks_groups_by_loo_when_asked(calib_text):
     torch.testing.assert_close(torch.stack(loo.mlp), torch.stack(taylor.mlp))  # neurons keep Taylor
     assert not torch.allclose(torch.stack(loo.attn), torch.stack(taylor.attn))
     assert loo.meta["settings"]["attn_method"] == "loo"
+
+
+def test_activation_importance_is_minitrons_criterion_from_forward_passes(calib_text):
+    model = tiny_model("llama_gqa")
+    arch = describe_architecture(model.config)
+    settings = dict(calibration=[str(calib_text)], windows=4, window_length=32, layer_windows=2,
+                    layer_method="block_influence", batch_size=3)
+    taylor = profile(model, byte_tokenizer(), arch, ProfileSettings(**settings), quiet_context())
+    active = profile(model, byte_tokenizer(), arch, ProfileSettings(**settings, mlp_method="activation"),
+                     quiet_context())
+    # By hand: every window's down_proj input, L2 over its tokens, averaged over the windows.
+    windows = make_windows(byte_tokenizer(), [str(calib_text)], 4, 32, 0)
+    for index in (0, arch.layers - 1):
+        mlp = model.model.layers[index].mlp
+        captured = []
+        handle = mlp.down_proj.register_forward_pre_hook(lambda module, args, seen=captured: seen.append(args[0]))
+        with torch.no_grad():
+            model(windows)
+        handle.remove()
+        expected = captured[0].norm(dim=1).mean(0)
+        torch.testing.assert_close(active.mlp[index], expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.stack(active.attn), torch.stack(taylor.attn))  # KV groups: leave-one-out still
+    assert not torch.allclose(torch.stack(active.mlp), torch.stack(taylor.mlp))
+    assert active.meta["settings"]["mlp_method"] == "activation" and active.meta["calibration_loss"] > 0
