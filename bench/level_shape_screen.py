@@ -2,15 +2,17 @@
 
 A level keeps m of the decoder's elastic parameters; its shape is where they go: how many layers stay
 whole (`anchor_fraction`) and whether attention shrinks at all (`attn_rounding`; "whole" keeps every
-KV group and makes the MLP alone elastic). Importance is profiled once, as bench_recovery's package is,
-and each shape elastifies it into its own package. Every shape's levels are read through the device SDK
+KV group and makes the MLP alone elastic). Importance is profiled as bench_recovery's package is, once
+per distinct set of `profile.` overrides (which units a level keeps: e.g. `profile.mlp_method=activation`
+ranks neurons by Minitron's activation criterion), and each shape elastifies it into its own package. Every shape's levels are read through the device SDK
 on bench_recovery's LAMBADA windows and its 32 prompts x 64 greedy tokens (sdk_quality), LAMBADA paired
 by window against the build's default shape, greedy repeats per prompt with a bootstrap over prompts.
 The JSON's `quality` has bench_recovery's reference layout, so a shape's package can be recovered by
 `bench_recovery.py --worker distill --package ...` and assembled by recovery_screen.py against it.
 
   .venv/bin/python bench/level_shape_screen.py --out /tmp/shapes \\
-      --shape default= --shape "no anchors=anchor_fraction=0" --shape "attention whole=attn_rounding=whole"
+      --shape default= --shape "no anchors=anchor_fraction=0" --shape "attention whole=attn_rounding=whole" \\
+      --shape "activation=profile.mlp_method=activation"
 """
 
 from __future__ import annotations
@@ -38,35 +40,52 @@ from pipeline.stage import StageContext
 LEVELS = [0.5, 0.7, 1.0]
 
 
+# bench_elastilm.build_package's profile: what every shape's importance starts from
+BENCH_PROFILE = {"windows": 8, "window_length": 128, "layer_method": "block_influence"}
+
+
+def split_overrides(overrides: dict) -> tuple[dict, dict]:
+    """A shape's overrides -> (ProfileSettings overrides, from `profile.` keys; ElastifySettings overrides)."""
+    profile = {key.removeprefix("profile."): value for key, value in overrides.items() if key.startswith("profile.")}
+    return profile, {key: value for key, value in overrides.items() if not key.startswith("profile.")}
+
+
 def parse_shape(spec: str) -> tuple[str, dict]:
-    """`NAME=key=value,key=value` (or `NAME=` for the defaults) -> (NAME, ElastifySettings overrides)."""
-    from pipeline.settings import ElastifySettings
+    """`NAME=key=value,key=value` (or `NAME=` for the defaults) -> (NAME, overrides): ElastifySettings keys,
+    and ProfileSettings keys prefixed `profile.`."""
+    from pipeline.settings import ElastifySettings, ProfileSettings
 
     name, _, rest = spec.partition("=")
     overrides = dict(part.split("=", 1) for part in rest.split(",") if part) if rest else {}
     if not name or any(not key for key in overrides):
         raise SystemExit(f"error: --shape takes NAME=key=value,..., got {spec!r}")
-    ElastifySettings(levels=LEVELS, **overrides)  # refuse a bad shape before profiling
+    profile, elastify = split_overrides(overrides)
+    ProfileSettings(**BENCH_PROFILE | profile)  # refuse a bad shape before profiling
+    ElastifySettings(levels=LEVELS, **elastify)
     return name, overrides
 
 
 def build_shapes(out: Path, shapes: dict[str, dict]) -> dict[str, Path]:
-    """One profile, one package per shape (bench_elastilm.build_package's profile settings)."""
+    """One profile per distinct set of profile overrides, one package per shape."""
     from pipeline.assets import prepare_smollm2
     from pipeline.elastify import ElastifySettings, elastify
     from pipeline.models import load_model
     from pipeline.profile import ProfileSettings, profile
 
     loaded = load_model(prepare_smollm2())
-    importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
-                         ProfileSettings(windows=8, window_length=128, layer_method="block_influence"),
-                         StageContext(work_dir=out))
+    importances = {}
     packages = {}
     for index, (name, overrides) in enumerate(shapes.items()):
         path = out / f"package-{index}"
+        profile_overrides, elastify_overrides = split_overrides(overrides)
         if not (path / "manifest.json").is_file():
-            elastify(loaded.model, loaded.tokenizer, loaded.architecture, importance,
-                     ElastifySettings(levels=LEVELS, **overrides), path, name="smollm2-bench",
+            key = tuple(sorted(profile_overrides.items()))
+            if key not in importances:
+                importances[key] = profile(loaded.model, loaded.tokenizer, loaded.architecture,
+                                           ProfileSettings(**BENCH_PROFILE | profile_overrides),
+                                           StageContext(work_dir=out))
+            elastify(loaded.model, loaded.tokenizer, loaded.architecture, importances[key],
+                     ElastifySettings(levels=LEVELS, **elastify_overrides), path, name="smollm2-bench",
                      source=loaded.source, overwrite=True)
         packages[name] = path
     return packages
@@ -170,7 +189,7 @@ def main() -> None:
                     raise SystemExit(f"error: reading shape {name!r} failed")
                 reads[name] = json.loads(target.read_text())
                 del running[name]
-    result = {"what": "level shapes at equal parameter budget, without recovery",
+    result = {"what": "level shapes (and the importance they keep units by) at equal parameter budget, without recovery",
               "command": " ".join(["bench/level_shape_screen.py", *sys.argv[1:]]), "levels": LEVELS,
               "prompts": len(EVERYDAY_PROMPTS), "gen_tokens": args.gen_tokens,
               "lambada_windows": args.lambada_windows, "wall_s": round(time.perf_counter() - started, 1),
