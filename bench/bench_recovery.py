@@ -373,7 +373,10 @@ def run_worker(args) -> None:
     levels = sorted(args.levels.split(","), key=float, reverse=True)
     tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
     sets = EvalSets(tokenizer, corpus_dir, args)
-    for method in WORKERS[args.worker]:
+    methods = args.methods.split(",") if args.methods else WORKERS[args.worker]
+    if unknown := set(methods) - set(WORKERS[args.worker]):
+        raise SystemExit(f"error: worker {args.worker} trains {', '.join(WORKERS[args.worker])}, not {', '.join(sorted(unknown))}")
+    for method in methods:
         result_path = out / "runs" / f"{method}.json"
         if args.reuse and result_path.is_file():
             continue
@@ -637,6 +640,7 @@ def main() -> None:
                         help="(f): the full model's top k that keeps the level's token")
     parser.add_argument("--prepare-only", action="store_true", help="build the package and corpus, print their paths")
     parser.add_argument("--worker", choices=sorted(WORKERS))
+    parser.add_argument("--methods", help="with --worker: only these of its methods (comma-separated)")
     parser.add_argument("--package")
     parser.add_argument("--corpus")
     parser.add_argument("--generate-shard", type=int)

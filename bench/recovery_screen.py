@@ -1,8 +1,8 @@
 """One screen of recovery settings: `bench_recovery.py --worker` runs side by side, assembled into a JSON.
 
 A screen changes one thing (the LoRA rank, the corpus, ...) and trains one level per setting on the
-same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS (the worker's --out
-and --corpus); the first is the baseline. LAMBADA and the generation prompts are the same for every
+same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS[=METHOD] (the worker's
+--out and --corpus, and which of its methods: (c) `distill` unless given); the first is the baseline. LAMBADA and the generation prompts are the same for every
 run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
 paired only between runs on the same corpus. With --decoding, each run's greedy output is also read
 over all 32 prompts by bench_decoding.py (repeat-4 and the full model's NLL of it), against the baseline's
@@ -25,7 +25,7 @@ from common import ROOT, print_table
 
 from pipeline.lm import paired_ratio
 
-METHOD = "distill"  # the worker's (c); its warm-start twin reuses it at a screen's single level
+METHOD = "distill"  # the worker's (c), a run's method unless its spec names another
 
 
 def full_reference(path: Path) -> dict:
@@ -33,24 +33,40 @@ def full_reference(path: Path) -> dict:
     return data["full_model"] if "full_model" in data else data["quality"]["1.0"]
 
 
-def assemble(runs: list[tuple[str, Path, Path]], level: str, reference: dict) -> dict:
-    loaded = {name: (json.loads((out / "runs" / f"{METHOD}.json").read_text()), corpus)
-              for name, out, corpus in runs}
-    baseline, (base_data, base_corpus) = runs[0][0], loaded[runs[0][0]]
+def run_quality(out: Path, method: str, level: str) -> dict:
+    return json.loads((out / "runs" / f"{method}.json").read_text())["quality"][level]
+
+
+def final_repeat4(quality: dict, train: dict) -> tuple[float, str]:
+    """The run's greedy repeat-4: the device SDK's read, or for a method the worker reads no generation of
+    (the LM losses), the `--curve-repeats` point at the end of training (torch's decoder)."""
+    if quality.get("repeat4") is not None:
+        return quality["repeat4"], "device SDK"
+    last = train["curve"][-1] if train.get("curve") else {}
+    if last.get("tokens") != train["train_tokens"] or last.get("repeat4") is None:
+        raise SystemExit("error: a run without a generation read needs --curve-repeats up to its last step")
+    return last["repeat4"], "torch decoder, the curve's last point"
+
+
+def assemble(runs: list[tuple[str, Path, Path, str]], level: str, reference: dict) -> dict:
+    loaded = {name: (json.loads((out / "runs" / f"{method}.json").read_text()), corpus, method)
+              for name, out, corpus, method in runs}
+    baseline, (base_data, base_corpus, _) = runs[0][0], loaded[runs[0][0]]
     rows = {}
-    for name, (data, corpus) in loaded.items():
+    for name, (data, corpus, method) in loaded.items():
         quality, train = data["quality"][level], data["runs"][level]
         shared = ["lambada"] + (["heldout", "validation"] if corpus == base_corpus else [])
+        repeat4, repeat4_read = final_repeat4(quality, train)
         rows[name] = {
-            "corpus": str(corpus),
+            "method": method, "corpus": str(corpus),
             **{f"{s}_ppl": quality[f"{s}_ppl"] for s in ("lambada", "heldout", "validation")},
-            "repeat4": quality["repeat4"],
-            "repeat4_vs_full": quality["repeat4"] / reference["repeat4"],
+            "repeat4": repeat4, "repeat4_read": repeat4_read,
+            "repeat4_vs_full": repeat4 / reference["repeat4"],
             "lambada_vs_full": paired_ratio(quality["lambada_nlls"], reference["lambada_nlls"]),
             **{f"{s}_vs_{baseline}": paired_ratio(quality[f"{s}_nlls"], base_data["quality"][level][f"{s}_nlls"])
                for s in shared},
             "train_wall_s": train["wall_s"], "train_tokens": train["train_tokens"], "mix": train["mix"],
-            "curve": train["curve"], "sample": quality["sample"],
+            "curve": train["curve"], "sample": quality.get("sample"),
         }
     return {"level": level, "baseline": baseline, "full_lambada_ppl": math.exp(
         sum(reference["lambada_nlls"]) / len(reference["lambada_nlls"])), "full_repeat4": reference["repeat4"],
@@ -90,7 +106,8 @@ def greedy_reads(path: Path, level: str, baseline_path: Path | None, resamples: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run", action="append", required=True, help="NAME=OUT=CORPUS; the first is the baseline")
+    parser.add_argument("--run", action="append", required=True,
+                        help="NAME=OUT=CORPUS[=METHOD] (default distill); the first is the baseline")
     parser.add_argument("--level", required=True)
     parser.add_argument("--reference", type=Path, default=ROOT / "bench" / "results" / "recovery-unrecovered-screen.json")
     parser.add_argument("--what", required=True, help="what the screen changes and holds fixed")
@@ -105,9 +122,9 @@ def main() -> None:
     runs = []
     for spec in args.run:
         parts = spec.split("=")
-        if len(parts) != 3:
-            raise SystemExit(f"error: --run takes NAME=OUT=CORPUS, got {spec!r}")
-        runs.append((parts[0], Path(parts[1]), Path(parts[2])))
+        if len(parts) not in (3, 4):
+            raise SystemExit(f"error: --run takes NAME=OUT=CORPUS[=METHOD], got {spec!r}")
+        runs.append((parts[0], Path(parts[1]), Path(parts[2]), parts[3] if len(parts) == 4 else METHOD))
     result = {"what": args.what, "command": args.command, "note": args.note,
               "reference": str(args.reference.relative_to(ROOT)) if args.reference.is_relative_to(ROOT) else
               str(args.reference), **assemble(runs, args.level, full_reference(args.reference))}
@@ -120,8 +137,8 @@ def main() -> None:
         result["acceptance"] = {"file": str(args.acceptance), "tokens": acceptance["tokens_per_level"],
                                 "lambada_ppl": accepted["lambada_ppl"], "repeat4": accepted["repeat4"],
                                 "curve": acceptance["curves"][METHOD][args.level]}
-        for name, out, _ in runs:
-            quality = json.loads((out / "runs" / f"{METHOD}.json").read_text())["quality"][args.level]
+        for name, out, _, method in runs:
+            quality = run_quality(out, method, args.level)
             result["rows"][name]["lambada_vs_acceptance"] = paired_ratio(quality["lambada_nlls"],
                                                                          accepted["lambada_nlls"])
     if any("=" not in spec for spec in args.decoding):
