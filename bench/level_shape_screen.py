@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import subprocess
 import sys
 import time
@@ -190,7 +191,7 @@ def main() -> None:
                 reads[name] = json.loads(target.read_text())
                 del running[name]
     result = {"what": "level shapes (and the importance they keep units by) at equal parameter budget, without recovery",
-              "command": " ".join(["bench/level_shape_screen.py", *sys.argv[1:]]), "levels": LEVELS,
+              "command": shlex.join(["bench/level_shape_screen.py", *sys.argv[1:]]), "levels": LEVELS,
               "prompts": len(EVERYDAY_PROMPTS), "gen_tokens": args.gen_tokens,
               "lambada_windows": args.lambada_windows, "wall_s": round(time.perf_counter() - started, 1),
               **assemble(shapes, packages, {name: reads[name] for name in shapes})}

@@ -5,7 +5,7 @@ Reads recovery_screen.py JSONs (one level each) whose runs recorded their curve 
 repeated-4-gram rate as multiples of the full model's, with the issue's goals. A screen with
 `acceptance` also gets that run's (c) at its end as a reference mark.
 
-  .venv/bin/python bench/plot_recovery_curves.py bench/results/recovery-long-0.7.json \\
+  .venv/bin/python bench/plot_recovery_curves.py bench/results/recovery-long-lm-0.7.json \\
       bench/results/recovery-long-0.5.json --png bench/results/recovery-long.png
 """
 
@@ -28,16 +28,17 @@ def plot(screens: list[dict], path: Path) -> None:
     fig, (ppl_ax, loop_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     for screen, color in zip(screens, ["tab:red", "tab:blue", "tab:green", "tab:purple"], strict=False):
         level = screen["level"]
-        for name, row in screen["rows"].items():
+        for (name, row), style in zip(screen["rows"].items(), ["-", "-.", ":"], strict=False):
             kilo = [p["tokens"] / 1000 for p in row["curve"]]
             ppl_ax.plot(kilo, [p["lambada_ppl"] / screen["full_lambada_ppl"] for p in row["curve"]],
-                        marker="o", color=color, label=f"level {level}: {name}")
+                        marker="o", ls=style, color=color, label=f"level {level}: {name}")
             with_loops = [p for p in row["curve"] if "repeat4" in p]
             loop_ax.plot([p["tokens"] / 1000 for p in with_loops],
                          [p["repeat4"] / screen["full_repeat4"] for p in with_loops],
-                         marker="o", color=color, label=f"level {level}: {name} (torch decoder)")
-            loop_ax.plot([kilo[-1]], [row["repeat4"] / screen["full_repeat4"]], marker="s", ls="none",
-                         color=color, label=f"level {level}: {name}, end (device SDK)")
+                         marker="o", ls=style, color=color, label=f"level {level}: {name} (torch decoder)")
+            if row.get("repeat4_read", "device SDK") == "device SDK":
+                loop_ax.plot([kilo[-1]], [row["repeat4"] / screen["full_repeat4"]], marker="s", ls="none",
+                             color=color, label=f"level {level}: {name}, end (device SDK)")
         accepted = screen.get("acceptance")
         if accepted:
             tokens = accepted["tokens"] / 1000
@@ -57,7 +58,7 @@ def plot(screens: list[dict], path: Path) -> None:
     for ax in (ppl_ax, loop_ax):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle("SmolLM2-135M: distillation (c) along a long schedule")
+    fig.suptitle("SmolLM2-135M: recovery along a long schedule")
     fig.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
