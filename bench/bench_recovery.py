@@ -655,6 +655,8 @@ def main() -> None:
     args.compare_calibration = None if args.compare_calibration == "none" else args.compare_calibration
     if args.generate_shard is not None:
         return generate_one_shard(args)
+    if args.methods and not args.worker:
+        raise SystemExit("error: --methods picks among a --worker's methods; give --worker too")
     if args.worker:
         return run_worker(args)
 

@@ -4,9 +4,10 @@ A level keeps m of the decoder's elastic parameters; its shape is where they go:
 whole (`anchor_fraction`) and whether attention shrinks at all (`attn_rounding`; "whole" keeps every
 KV group and makes the MLP alone elastic). Importance is profiled as bench_recovery's package is, once
 per distinct set of `profile.` overrides (which units a level keeps: e.g. `profile.mlp_method=activation`
-ranks neurons by Minitron's activation criterion), and each shape elastifies it into its own package. Every shape's levels are read through the device SDK
-on bench_recovery's LAMBADA windows and its 32 prompts x 64 greedy tokens (sdk_quality), LAMBADA paired
-by window against the build's default shape, greedy repeats per prompt with a bootstrap over prompts.
+ranks neurons by Minitron's activation criterion), and each shape elastifies it into its own package.
+Every shape's levels are read through the device SDK on bench_recovery's LAMBADA windows and its 32
+prompts x 64 greedy tokens (sdk_quality), LAMBADA paired by window against the build's default shape,
+greedy repeats per prompt with a bootstrap over prompts.
 The JSON's `quality` has bench_recovery's reference layout, so a shape's package can be recovered by
 `bench_recovery.py --worker distill --package ...` and assembled by recovery_screen.py against it.
 
@@ -155,7 +156,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("/tmp/level-shapes"))
     parser.add_argument("--shape", action="append", default=[],
-                        help="NAME=key=value,... ElastifySettings overrides; the first is the default shape")
+                        help="NAME=key=value,... ElastifySettings overrides, ProfileSettings ones as profile.key=value; "
+                             "the first is the default shape")
     parser.add_argument("--lambada-windows", type=int, default=48)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="read processes side by side, one thread each")

@@ -2,8 +2,8 @@
 
 A screen changes one thing (the LoRA rank, the corpus, ...) and trains one level per setting on the
 same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS[=METHOD] (the worker's
---out and --corpus, and which of its methods: (c) `distill` unless given); the first is the baseline. LAMBADA and the generation prompts are the same for every
-run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
+--out and --corpus, and which of its methods: (c) `distill` unless given); the first is the baseline.
+LAMBADA and the generation prompts are the same for every run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
 paired only between runs on the same corpus. With --decoding, each run's greedy output is also read
 over all 32 prompts by bench_decoding.py (repeat-4 and the full model's NLL of it), against the baseline's
 with a prompt-resampling bootstrap. The full model's numbers come from --reference, a
@@ -33,8 +33,12 @@ def full_reference(path: Path) -> dict:
     return data["full_model"] if "full_model" in data else data["quality"]["1.0"]
 
 
-def run_quality(out: Path, method: str, level: str) -> dict:
-    return json.loads((out / "runs" / f"{method}.json").read_text())["quality"][level]
+def load_run(out: Path, method: str) -> dict:
+    """A worker's result for one method: {"runs": per level, "quality": per level}."""
+    path = out / "runs" / f"{method}.json"
+    if not path.is_file():
+        raise SystemExit(f"error: no {method} run under {out} ({path} is missing)")
+    return json.loads(path.read_text())
 
 
 def final_repeat4(quality: dict, train: dict) -> tuple[float, str]:
@@ -49,8 +53,7 @@ def final_repeat4(quality: dict, train: dict) -> tuple[float, str]:
 
 
 def assemble(runs: list[tuple[str, Path, Path, str]], level: str, reference: dict) -> dict:
-    loaded = {name: (json.loads((out / "runs" / f"{method}.json").read_text()), corpus, method)
-              for name, out, corpus, method in runs}
+    loaded = {name: (load_run(out, method), corpus, method) for name, out, corpus, method in runs}
     baseline, (base_data, base_corpus, _) = runs[0][0], loaded[runs[0][0]]
     rows = {}
     for name, (data, corpus, method) in loaded.items():
@@ -138,7 +141,7 @@ def main() -> None:
                                 "lambada_ppl": accepted["lambada_ppl"], "repeat4": accepted["repeat4"],
                                 "curve": acceptance["curves"][METHOD][args.level]}
         for name, out, _, method in runs:
-            quality = run_quality(out, method, args.level)
+            quality = load_run(out, method)["quality"][args.level]
             result["rows"][name]["lambada_vs_acceptance"] = paired_ratio(quality["lambada_nlls"],
                                                                          accepted["lambada_nlls"])
     if any("=" not in spec for spec in args.decoding):
