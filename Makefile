@@ -10,7 +10,7 @@ export HF_DATASETS_OFFLINE := 1
 export TRANSFORMERS_NO_ADVISORY_WARNINGS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint unit assets venv bench clean services llama-cpp
+.PHONY: demo test lint unit assets venv bench clean services llama-cpp results
 
 venv: $(STAMP)
 
@@ -49,6 +49,10 @@ demo: assets
 
 bench: assets
 	$(PY) bench/run_all.py
+
+# docs/results/ and the README's headline table, rendered from the committed JSON (stdlib only).
+results:
+	python3 -m bench.report
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
