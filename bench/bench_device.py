@@ -166,7 +166,7 @@ def levels_worker(spec: dict) -> dict:
     import torch
 
     from device_sdk.format import load_public_key
-    from device_sdk.latency import measure_level
+    from device_sdk.measure import measure_level
     from device_sdk.runtime import ElasticModel
 
     torch.set_num_threads(spec["threads"])

@@ -91,12 +91,11 @@ from device_sdk.latency import (
     Decision,
     Drift,
     LatencyProfile,
-    measure_level,
-    measure_profile,
     predicted_ttft_ms,
 )
+from device_sdk.measure import measure_level, measure_profile, measure_tlm_latency
 from device_sdk.runtime import ElasticModel
-from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
+from device_sdk.tlm import TLM, tlm_decider
 from pipeline import label
 from pipeline.trace import (
     TRACE_CLASSES,

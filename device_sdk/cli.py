@@ -10,6 +10,11 @@ from pathlib import Path
 
 from device_sdk.client import ElastifyAPIError, reason
 from device_sdk.format import PackageError, check_files, load_public_key, read_manifest
+from device_sdk.registry import pull, read_local_state, verify_local
+from device_sdk.trust import TrustStore, check_signature
+
+# The commands that run a model import torch and the runtime when they run, so that verify, trust,
+# pull and --help start without them (torch alone takes seconds to import).
 
 
 def _public_key(text: str):
@@ -45,7 +50,7 @@ def _drift_headroom(text: str) -> float:
 
 
 def _slo(args):
-    from device_sdk.latency import SLO
+    from device_sdk.latency import SLO  # lazy: torch, kept off verify/trust/pull
 
     if args.ttft_fraction or args.tpot_fraction:
         return SLO.fraction(args.ttft_fraction, args.tpot_fraction)
@@ -55,8 +60,6 @@ def _slo(args):
 
 
 def cmd_verify(args) -> int:
-    from device_sdk.trust import check_signature
-
     manifest = read_manifest(args.package)
     key = check_signature(manifest, args.public_key, allow_unsigned=args.allow_unsigned)
     check_files(args.package, manifest)
@@ -66,8 +69,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_trust_add(args) -> int:
-    from device_sdk.trust import TrustStore
-
     store = TrustStore()
     key = store.add(args.name, args.key, replace=args.replace)
     print(f"pinned {key} for {args.name} in {store.path}")
@@ -75,8 +76,6 @@ def cmd_trust_add(args) -> int:
 
 
 def cmd_trust_list(args) -> int:
-    from device_sdk.trust import TrustStore
-
     store = TrustStore()
     for name, key in sorted(store.keys.items()):
         print(f"{name}\t{key}")
@@ -86,8 +85,6 @@ def cmd_trust_list(args) -> int:
 
 
 def cmd_trust_remove(args) -> int:
-    from device_sdk.trust import TrustStore
-
     store = TrustStore()
     store.remove(args.name)
     print(f"removed the key pinned for {args.name} from {store.path}")
@@ -119,8 +116,6 @@ def download_bar(label: str):
 
 
 def cmd_pull(args) -> int:
-    from device_sdk.registry import pull, read_local_state
-
     try:
         with download_bar(f"{args.name} {args.version}") as on_progress:
             path = pull(args.name, args.version, registry=args.registry, public_key=args.public_key,
@@ -138,8 +133,9 @@ def cmd_pull(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from device_sdk.latency import measure_profile, profile_path
-    from device_sdk.runtime import ElasticModel
+    from device_sdk.latency import profile_path  # lazy: torch, kept off verify/trust/pull
+    from device_sdk.measure import measure_profile  # lazy: torch, kept off verify/trust/pull
+    from device_sdk.runtime import ElasticModel  # lazy: torch, kept off verify/trust/pull
 
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
@@ -154,7 +150,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from device_sdk.runtime import ElasticModel, Sampling
+    from device_sdk.runtime import ElasticModel, Sampling  # lazy: torch, kept off verify/trust/pull
 
     if not args.prompt.endswith(args.keep):
         print("error: --keep must be the end of the prompt", file=sys.stderr)
@@ -185,9 +181,9 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from device_sdk.latency import SERVING_HEADROOM, Drift
-    from device_sdk.runtime import ElasticModel
-    from device_sdk.serve import make_server
+    from device_sdk.latency import SERVING_HEADROOM, Drift  # lazy: torch, kept off verify/trust/pull
+    from device_sdk.runtime import ElasticModel  # lazy: torch, kept off verify/trust/pull
+    from device_sdk.serve import make_server  # lazy: torch, kept off verify/trust/pull
 
     model = ElasticModel.load(args.package, public_key=args.public_key, allow_unsigned=args.allow_unsigned,
                               quantize=args.quantize)
@@ -208,12 +204,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from device_sdk.registry import verify_local
-
     verify_local(args.package, args.public_key, allow_unsigned=args.allow_unsigned)
     which = {"level": args.level, "profile": args.profile}
     if args.format == "peft":
-        from device_sdk.export import export_peft_adapters
+        from device_sdk.export import export_peft_adapters  # lazy: torch, kept off verify/trust/pull
 
         written = export_peft_adapters(args.package, args.out)
         print(f"ok: peft adapters of levels {', '.join(written) or 'none (the package has no recovery adapters)'} "
@@ -223,11 +217,11 @@ def cmd_export(args) -> int:
         print("error: give --level or --profile", file=sys.stderr)
         return 2
     if args.format == "gguf":
-        from device_sdk.export_gguf import export_gguf
+        from device_sdk.export_gguf import export_gguf  # lazy: torch, kept off verify/trust/pull
 
         out = export_gguf(args.package, args.out, dtype=args.type or "f16", **which)
     else:
-        from device_sdk.export import export_hf
+        from device_sdk.export import export_hf  # lazy: torch, kept off verify/trust/pull
 
         out = export_hf(args.package, args.out, dtype=args.type or "f32", merge=not args.unmerged, **which)
     print(f"ok: {args.format} export at {out}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from device_sdk.encoder import MiniLMEncoder
 from device_sdk.format import Manifest, PackageError, expert_entries
 from device_sdk.lora import LoRA, read_adapter
 
@@ -87,8 +88,6 @@ class ExpertSet:
 
     @classmethod
     def load(cls, package_dir: Path, manifest: Manifest) -> ExpertSet:
-        from device_sdk.encoder import MiniLMEncoder
-
         entries = expert_entries(manifest)
         if not entries:
             raise PackageError("this package has no experts")

@@ -35,6 +35,7 @@ from device_sdk.format import (
 )
 from device_sdk.lora import PROJECTIONS, LoRA, adapter_scale, projection_key, read_adapter
 from device_sdk.registry import read_local_state
+from device_sdk.runtime import map_weights
 
 # Files of the package's model/ directory that an HF export carries over unchanged.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -95,8 +96,6 @@ def select(package_dir: Path, manifest: Manifest, level: Level | float | str | N
 def level_tensors(package_dir: Path, manifest: Manifest, selection: Selection, *, merge: bool = True
                   ) -> dict[str, torch.Tensor]:
     """The selection's dense weights in fp32 under HF names, its LoRA merged in when `merge`."""
-    from device_sdk.runtime import map_weights  # the runtime's import is heavy; only exports need it
-
     arch = manifest.architecture
     stored = map_weights(Path(package_dir) / WEIGHTS)
     lora = read_adapter(selection.adapter) if merge and selection.adapter is not None else {}

@@ -50,7 +50,7 @@ SPLIT_REGEX_PRE = {
 
 def _gguf():
     try:
-        import gguf
+        import gguf  # lazy: the optional `export` extra, needed only to write GGUF
     except ImportError:
         raise ExportError("GGUF export needs llama.cpp's `gguf` package: pip install 'elastify-device[export]' "
                           "(or `pip install gguf`)") from None

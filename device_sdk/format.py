@@ -3,7 +3,8 @@
 This module is the single definition of the format, and it needs only the standard library
 (plus `cryptography` to verify a signature), so the API and the control plane read manifests
 without importing torch. The weights side (writing tensors, reading a tensor's prefix) is
-`device_sdk.package`; the SDK reads and verifies packages with `read_manifest` / `verify_package`.
+`device_sdk.package`; the SDK reads packages with `read_manifest`, and `device_sdk.trust.verify_package`
+checks one against its signature and file hashes.
 """
 
 from __future__ import annotations
@@ -564,23 +565,6 @@ def parse_manifest(raw: bytes, where: Path | str) -> Manifest:
     except json.JSONDecodeError as err:
         raise PackageError(f"{where} is not valid JSON: {err}") from None
     return Manifest.from_dict(data)
-
-
-def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] | None = None,
-                   allow_unsigned: bool = False) -> Manifest:
-    """Check the signature and every listed file's size and sha256.
-
-    The signature is checked with `public_key`, else with the key pinned for the package's name
-    in the trust store (`device_sdk.trust`); without either, or for an unsigned manifest, the
-    package is refused unless `allow_unsigned` (then only the hashes are checked, with a warning).
-    """
-    from device_sdk.trust import check_signature  # the trust policy builds on this module, so imported here
-
-    package_dir = Path(package_dir)
-    manifest = read_manifest(package_dir)
-    check_signature(manifest, public_key, allow_unsigned=allow_unsigned)
-    check_files(package_dir, manifest, files)
-    return manifest
 
 
 def check_files(package_dir: Path, manifest: Manifest, files: Iterable[str] | None = None) -> None:

@@ -1,10 +1,9 @@
-"""This device's cost model: measured per-level latency, SLOs, and the level decision.
+"""This device's cost model: per-level latency profiles, SLOs, predicted TTFT and TPOT, and the level decision.
 
 A profile holds, per level, TTFT in the prompt length (a line `base + per_token · n`, and where
 three or more lengths were timed the measured points themselves, interpolated: prefill attention
 grows faster than the line beyond a few hundred tokens) and TPOT, measured on this device for one
-weight format; `elastify-device profile` writes
-it beside the package. `choose_level` is the decision until the package carries a TLM: the
+weight format (by `device_sdk.measure`); `elastify-device profile` writes it beside the package. `choose_level` is the decision until the package carries a TLM: the
 largest level whose predicted TTFT and TPOT meet the SLO, else the smallest (best effort); either
 way only among the levels the package marks usable (`usable_levels`).
 A TLM replaces it by assigning a callable with the same signature to `ElasticModel.decide`.
@@ -16,8 +15,6 @@ from __future__ import annotations
 
 import json
 import platform
-import statistics
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -283,109 +280,3 @@ def feasible(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_to
     target = slo.absolute(profile, prompt_tokens)
     return target.met(predicted_ttft_ms(profile, level, prompt_ratio, prompt_tokens, kept_tokens),
                       profile.tpot_ms(level))
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def timed_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1000
-
-
-def measure_level(model, prompt_lengths: tuple[int, ...], decode_tokens: int, repeats: int) -> LevelLatency:
-    """Prefill at each prompt length (a line through the ends, and the points themselves when there are
-    three or more), then the mean of single-token decode steps. Lengths the model cannot hold are skipped."""
-    room = model.manifest.architecture.max_position - decode_tokens - 1
-    lengths = tuple(n for n in prompt_lengths if n <= room) or (min(prompt_lengths[0], room),)
-    ttfts, tpot = measure_points(model, lengths, decode_tokens, repeats)
-    points = [(n, t) for n, t in zip(lengths, ttfts, strict=True)] if len(lengths) >= 3 else None
-    return LevelLatency(*line_through(lengths, ttfts), tpot, ttft_points=points)
-
-
-def line_through(lengths, times_ms) -> tuple[float, float]:
-    """(base ms, ms per token) of the line through the first and last points, neither below 0."""
-    slope = (times_ms[-1] - times_ms[0]) / (lengths[-1] - lengths[0]) if len(lengths) > 1 else 0.0
-    slope = max(slope, 0.0)
-    return max(times_ms[0] - slope * lengths[0], 0.0), slope
-
-
-def measure_points(model, prompt_lengths, decode_tokens: int, repeats: int) -> tuple[list[float], float]:
-    """(median TTFT ms per prompt length, TPOT ms) of `model`'s current widths, timed as a request runs:
-    prefill with `last_only` logits, then `repeats` runs of single-token steps (the native decoder where
-    it is built), each with the greedy pick and the running detokenisation `generate` does. TTFT is the
-    median, not the best, of the repeats: an SLO is met or missed by the typical request, and the best
-    run predicts it short. The build host's latency stage calls this too, so its profile times the
-    device's own code."""
-    transformer = model.transformer
-    tokenizer = getattr(model, "tokenizer", None)
-    vocab = model.manifest.architecture.vocab
-    generator = torch.Generator().manual_seed(0)
-    ttfts = []
-    with torch.inference_mode():
-        for length in prompt_lengths:
-            ids = torch.randint(0, vocab, (1, length), generator=generator)
-            ttfts.append(statistics.median(timed_ms(lambda ids=ids: transformer(ids, last_only=True))
-                                           for _ in range(repeats)))
-        token = torch.zeros(1, 1, dtype=torch.long)
-        steps = []
-        for _ in range(repeats):  # `repeats` sequences of `decode_tokens` steps
-            cache = transformer.new_cache(prompt_lengths[0] + decode_tokens + 1)
-            transformer(torch.randint(0, vocab, (1, prompt_lengths[0]), generator=generator), cache, last_only=True)
-            picked: list[int] = []
-
-            def step(cache=cache, picked=picked):
-                picked.append(int(transformer(token, cache, last_only=True)[0, -1].argmax()))
-                if tokenizer is not None:
-                    tokenizer.decode(picked)
-
-            steps += [timed_ms(step) for _ in range(decode_tokens)]
-    steps = sorted(steps)[: max(1, len(steps) * 3 // 4)]  # drop the slowest quarter (scheduler noise)
-    return ttfts, sum(steps) / len(steps)
-
-
-def measure_profile(
-    model,
-    *,
-    levels: list[str] | None = None,
-    prompt_lengths: tuple[int, ...] = (32, 128, 512, 1024),
-    decode_tokens: int = 16,
-    repeats: int = 2,
-) -> LatencyProfile:
-    """Measure every (held) level of `model`; restores its level afterwards."""
-    previous = model.level
-    names = levels or model.available_levels()
-    measured = {}
-    try:
-        for name in names:
-            model.set_level(name)
-            measured[name] = measure_level(model, prompt_lengths, decode_tokens, repeats)
-    finally:
-        if previous is not None:
-            model.set_level(previous)
-    tlm = getattr(model, "tlm", None)
-    tlm_latency = None
-    if tlm is not None:
-        from device_sdk.tlm import measure_tlm_latency
-
-        tlm_latency = measure_tlm_latency(tlm, prompt_lengths, repeats)
-    return LatencyProfile(model.weight_format, torch.get_num_threads(), measured, tlm=tlm_latency)
-
-
-def estimate_profile(model) -> LatencyProfile:
-    """A quick stand-in when no profile was measured: the largest level, scaled by active fraction."""
-    full_name = model.available_levels()[-1]
-    previous = model.level
-    model.set_level(full_name)
-    try:
-        full = measure_level(model, (8, 32), decode_tokens=4, repeats=1)
-    finally:
-        if previous is not None:
-            model.set_level(previous)
-    full_fraction = model.manifest.elastic.level(full_name).active_fraction
-    levels = {}
-    for name in model.available_levels():
-        share = model.manifest.elastic.level(name).active_fraction / full_fraction
-        levels[name] = LevelLatency(full.ttft_base_ms * share, full.ttft_per_token_ms * share, full.tpot_ms * share)
-    return LatencyProfile(model.weight_format, torch.get_num_threads(), levels, estimated=True)

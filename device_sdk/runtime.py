@@ -42,13 +42,13 @@ from device_sdk.latency import (
     Drift,
     LatencyProfile,
     choose_level,
-    estimate_profile,
     profile_path,
 )
 from device_sdk.llama import Projection, Transformer
 from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
+from device_sdk.measure import estimate_profile, measure_tlm_latency
 from device_sdk.registry import read_local_state, verify_local
-from device_sdk.tlm import TLM, measure_tlm_latency, tlm_decider
+from device_sdk.tlm import TLM, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 1}  # bytes per stored weight, by weight format

@@ -28,12 +28,9 @@ from device_sdk.latency import (
     SLO,
     Decision,
     LatencyProfile,
-    TLMLatency,
     choose_level,
     feasible,
-    line_through,
     predicted_ttft_ms,
-    timed_ms,
     usable_levels,
 )
 
@@ -261,22 +258,6 @@ class TLM:
             return self.encoder.tensors["utility_head.bias"].sigmoid().view(len(self.ratios), len(self.levels))
         pooled = self._branch(self._decision_ids("", prompt), self.decision_layers)[0]
         return self._head(pooled, "utility_head").sigmoid().view(len(self.ratios), len(self.levels))
-
-
-def measure_tlm_latency(tlm: TLM, prompt_lengths: Sequence[int] = (32, 128), repeats: int = 2) -> TLMLatency:
-    """Time the TLM as a request runs it (the decision, and the word scores compression needs) on prompts
-    of `prompt_lengths` words (about as many tokens), best of `repeats`, and fit a line to each."""
-    decide, compress = [], []
-    prompt_lengths = sorted({min(n, tlm.max_length) for n in prompt_lengths})  # the decision reads no more
-    for length in prompt_lengths:
-        text = " ".join(f"word{i % 50}" for i in range(length)) + "?"
-        if tlm.decision_head == "utility":
-            decide.append(min(timed_ms(lambda t=text: tlm.utility(t)) for _ in range(repeats)))
-        else:
-            decide.append(min(timed_ms(lambda t=text: tlm.decision_log_probs(t, 1.0, 1.0)) for _ in range(repeats)))
-        compress.append(min(timed_ms(lambda t=text: tlm.word_scores(t)) for _ in range(repeats)))
-    return TLMLatency(*line_through(list(prompt_lengths), decide), *line_through(list(prompt_lengths), compress),
-                      decide_window=tlm.max_length)
 
 
 def tlm_decider(tlm: TLM) -> Callable[..., Decision]:

@@ -17,6 +17,7 @@ The rule (`check_signature`), used by pull, load and verify:
   but anyone who can write the package can recompute them). A manifest that carries a
   signature is still checked against a known key even then, so a forged one is never accepted.
 Nothing is pinned on first use: a key is only ever added by `trust add` (or `TrustStore.add`).
+`verify_package` is the rule and the file hashes together, for a package directory.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from device_sdk.format import (
@@ -31,8 +33,10 @@ from device_sdk.format import (
     Manifest,
     PackageError,
     atomic_write_bytes,
+    check_files,
     load_public_key,
     public_key_b64,
+    read_manifest,
     verify_signature,
 )
 
@@ -135,3 +139,18 @@ def check_signature(manifest: Manifest, public_key=None, *, allow_unsigned: bool
                     "checked, but anyone who can write the package can recompute them", manifest.name,
                     manifest.version, why)
     return None
+
+
+def verify_package(package_dir: Path, public_key=None, *, files: Iterable[str] | None = None,
+                   allow_unsigned: bool = False) -> Manifest:
+    """Check the signature and every listed file's size and sha256.
+
+    The signature is checked with `public_key`, else with the key pinned for the package's name
+    in the trust store; without either, or for an unsigned manifest, the package is refused
+    unless `allow_unsigned` (then only the hashes are checked, with a warning).
+    """
+    package_dir = Path(package_dir)
+    manifest = read_manifest(package_dir)
+    check_signature(manifest, public_key, allow_unsigned=allow_unsigned)
+    check_files(package_dir, manifest, files)
+    return manifest

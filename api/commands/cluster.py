@@ -313,7 +313,7 @@ def demo_profile(model):
     """This device's profile of the levels an SLO decision may pick (and the full model, which SLO fractions
     are of), as `elastify-device profile` measures it, at the demo's prompt lengths: seconds, where the quick
     estimate's 8- and 32-token line misjudges even the full model on these prompts."""
-    from device_sdk.latency import measure_profile
+    from device_sdk.measure import measure_profile  # lazy: torch; api modules import without it
 
     shapes = [model.manifest.elastic.level(name) for name in model.available_levels()]
     names = sorted({shape.name for shape in shapes if shape.usable} | {shapes[-1].name}, key=float)

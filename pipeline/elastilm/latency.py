@@ -6,7 +6,7 @@ Analytic part, per level, from the units it keeps:
   * `weight_bytes`      = bytes of the kept weights, all read once per decode step;
   * `kv_bytes_per_token` = bytes of the K and V rows a token adds to the cache.
 Calibration: prefill and decode of the device SDK's own model (native kernels and decoder where
-they build, timed by `device_sdk.latency.measure_points` as a device times itself) are measured
+they build, timed by `device_sdk.measure.measure_points` as a device times itself) are measured
 on the build host for the measured levels, and two host constants are fitted by least squares:
   TTFT(n) = ttft_overhead + prefill_flops(n) / flops_per_ms
   TPOT    = tpot_overhead + weight_bytes / bytes_per_ms
@@ -31,9 +31,9 @@ from device_sdk.latency import (  # noqa: F401 (EnergyProfile, LevelLatency, fea
     LatencyProfile,
     LevelLatency,
     feasible,
-    measure_points,
     predicted_ttft_ms,
 )
+from device_sdk.measure import measure_points
 from device_sdk.runtime import ElasticModel
 from pipeline.elastify import active_params
 from pipeline.settings import LatencySettings

@@ -12,7 +12,8 @@ import pytest
 from api.app import ServerThread, create_app, default_registry
 from api.auth import create_token
 from cluster.packages import alias_key
-from device_sdk.format import MANIFEST, verify_package
+from device_sdk.format import MANIFEST
+from device_sdk.trust import verify_package
 from tests.api_support import sse_events
 from tests.integration import services
 from tests.integration.control_plane import make_settings, small_elastic_spec, started

@@ -11,7 +11,7 @@ from cluster.scheduler import Scheduler, SchedulerLockError
 from cluster.service import build_summary, submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
-from device_sdk.format import verify_package
+from device_sdk.trust import verify_package
 from pipeline.chain import ELASTILM_STAGES
 from tests.tiny import save_tiny
 

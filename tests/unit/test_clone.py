@@ -9,8 +9,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from device_sdk.format import PackageError, read_manifest, rewrite_manifest, verify_package
+from device_sdk.format import PackageError, read_manifest, rewrite_manifest
 from device_sdk.latency import SLO
+from device_sdk.trust import verify_package
 from pipeline.clone_collect import (
     CloneError,
     CollectSettings,

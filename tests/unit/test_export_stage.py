@@ -12,7 +12,8 @@ from cryptography.hazmat.primitives import serialization
 from api.app import default_registry
 from cluster.dag import UpstreamInput, plan
 from cluster.spec import SpecError, parse_spec
-from device_sdk.format import read_manifest, verify_package
+from device_sdk.format import read_manifest
+from device_sdk.trust import verify_package
 from pipeline import export, publish
 from pipeline.settings import ExportSettings
 from pipeline.stage import quiet_context

@@ -17,10 +17,10 @@ from device_sdk.format import (
     level_byte_ranges,
     read_manifest,
     sign_manifest,
-    verify_package,
     verify_signature,
 )
 from device_sdk.package import read_tensor_prefix
+from device_sdk.trust import verify_package
 from pipeline.elastify import ElastifySettings, elastify
 from pipeline.models import describe_architecture
 from pipeline.profile import ProfileSettings, profile

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from device_sdk.format import read_manifest, verify_package
+from device_sdk.format import read_manifest
+from device_sdk.trust import verify_package
 from tests.unit.elastilm_fixtures import (
     recovered_package,
     recovery_results,

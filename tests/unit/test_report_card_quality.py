@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from device_sdk.format import read_manifest, verify_package
+from device_sdk.format import read_manifest
+from device_sdk.trust import verify_package
 from pipeline import evaluate
 from pipeline.corpus import HELDOUT_FILE
 from pipeline.settings import GENERATION_PROMPT_COUNT, ReportCardSettings

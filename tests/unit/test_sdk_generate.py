@@ -188,7 +188,7 @@ def test_a_loaded_model_keeps_the_serving_headroom_off_the_slo_boundary(gqa_pack
 
 
 def test_measured_levels_keep_their_ttft_points_and_skip_lengths_the_model_cannot_hold(model):
-    from device_sdk.latency import measure_level
+    from device_sdk.measure import measure_level
 
     entry = measure_level(model, (4, 8, 12, 10**6), decode_tokens=2, repeats=1)
     assert [n for n, _ in entry.ttft_points] == [4, 8, 12]
@@ -199,16 +199,16 @@ def test_measured_levels_keep_their_ttft_points_and_skip_lengths_the_model_canno
 def test_the_profile_times_a_decode_step_as_generate_runs_it_and_ttft_as_the_median(model, monkeypatch):
     """A profile that leaves out what every served token pays (the pick, the detokenisation), or that
     keeps the luckiest prefill, predicts requests short and the SLO decision misses at the boundary."""
-    from device_sdk import latency
+    from device_sdk import measure
 
     decode = model.tokenizer.decode
     monkeypatch.setattr(model, "tokenizer", type("SlowDecode", (), {"decode": lambda self, ids: (time.sleep(0.02),
                                                                                                  decode(ids))[1]})())
-    _, tpot = latency.measure_points(model, (4,), decode_tokens=4, repeats=1)
+    _, tpot = measure.measure_points(model, (4,), decode_tokens=4, repeats=1)
     assert tpot >= 20.0
     prefills = iter([1.0, 50.0, 9.0])
-    monkeypatch.setattr(latency, "timed_ms", lambda fn: next(prefills, 1.0))
-    ttfts, _ = latency.measure_points(model, (4,), decode_tokens=1, repeats=3)
+    monkeypatch.setattr(measure, "timed_ms", lambda fn: next(prefills, 1.0))
+    ttfts, _ = measure.measure_points(model, (4,), decode_tokens=1, repeats=3)
     assert ttfts == [9.0]
 
 

@@ -19,11 +19,10 @@ from device_sdk.format import (
     canonical_json,
     read_manifest,
     sign_manifest,
-    verify_package,
 )
 from device_sdk.registry import pull
 from device_sdk.runtime import ElasticModel
-from device_sdk.trust import TRUST_STORE_ENV, TrustStore
+from device_sdk.trust import TRUST_STORE_ENV, TrustStore, verify_package
 from tests.unit.sdk_packages import public_bytes, publish, signing_key, tiny_package
 
 KEY = signing_key()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from device_sdk.format import verify_package
+from device_sdk.trust import verify_package
 
 
 def test_tlm_install_into_package_and_load_back(tmp_path):
