@@ -20,6 +20,8 @@ from device_sdk.tlm import best_feasible_pair, best_utility_cell
 
 # ElastiLM's six SLO classes, (TTFT, TPOT) as fractions of the full model's, loosest first.
 TRACE_CLASSES = [(1.0, 1.0), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5)]
+# The five that ask for less than the full model: the classes the label and decision-head benches score.
+TIGHT_CLASSES = TRACE_CLASSES[1:]
 
 
 # --------------------------------------------------------------------------- the trace

@@ -60,7 +60,8 @@ def prepare_smollm2(home: Path | None = None, progress=print) -> Path:
 
     The marker records the GGUF's size and mtime, so a reinstalled package is re-prepared.
     """
-    from pipeline.models import load_model, save_hf
+    # lazy: assets stays torch-free (cluster and the CLI read it)
+    from pipeline.models.loading import load_model, save_hf
 
     gguf = smollm2_gguf()
     target = smollm2_dir(home)

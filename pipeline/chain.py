@@ -98,103 +98,103 @@ def _count_shards(spec, settings: LabelSettings | CollectSettings | CorpusSettin
 
 
 def run_profile(inputs: Inputs, settings: ProfileSettings, ctx: StageContext) -> Inputs:
-    from pipeline import profile
+    from pipeline.elastilm import profile  # lazy: keeps chain importable without torch
 
     return profile.run(inputs, settings, ctx)
 
 
 def run_elastify(inputs: Inputs, settings: ElastifySettings, ctx: StageContext) -> Inputs:
-    from pipeline import elastify
+    from pipeline.elastilm import elastify  # lazy: keeps chain importable without torch
 
     return elastify.run(inputs, settings, ctx)
 
 
 def run_recover(inputs: Inputs, settings: RecoverSettings, ctx: StageContext) -> Inputs:
-    from pipeline import recover
+    from pipeline.elastilm import recover  # lazy: keeps chain importable without torch
 
     return recover.run(inputs, settings, ctx)
 
 
 def run_recover_install(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
-    from pipeline import recover
+    from pipeline.elastilm import recover  # lazy: keeps chain importable without torch
 
     return recover.run_install(inputs, settings, ctx)
 
 
 def run_latency(inputs: Inputs, settings: LatencySettings, ctx: StageContext) -> Inputs:
-    from pipeline import latency
+    from pipeline.elastilm import latency  # lazy: keeps chain importable without torch
 
     return latency.run(inputs, settings, ctx)
 
 
 def run_tlm_score(inputs: Inputs, settings: ScoreSettings, ctx: StageContext) -> Inputs:
-    from pipeline import tlm
+    from pipeline.elastilm import tlm  # lazy: keeps chain importable without torch
 
     return tlm.run_score(inputs, settings, ctx)
 
 
 def run_label(inputs: Inputs, settings: LabelSettings, ctx: StageContext) -> Inputs:
-    from pipeline import label
+    from pipeline.elastilm import label  # lazy: keeps chain importable without torch
 
     return label.run(inputs, settings, ctx)
 
 
 def run_label_derive(inputs: Inputs, settings: DeriveSettings, ctx: StageContext) -> Inputs:
-    from pipeline import label
+    from pipeline.elastilm import slo_labels  # lazy: keeps chain importable without torch
 
-    return label.run_derive(inputs, settings, ctx)
+    return slo_labels.run_derive(inputs, settings, ctx)
 
 
 def run_tlm_decision(inputs: Inputs, settings: DecisionSettings, ctx: StageContext) -> Inputs:
-    from pipeline import tlm
+    from pipeline.elastilm import tlm  # lazy: keeps chain importable without torch
 
     return tlm.run_decision(inputs, settings, ctx)
 
 
 def run_evaluate(inputs: Inputs, settings: ReportCardSettings, ctx: StageContext) -> Inputs:
-    from pipeline import evaluate
+    from pipeline.elastilm import evaluate  # lazy: keeps chain importable without torch
 
     return evaluate.run_card(inputs, settings, ctx)
 
 
 def run_clone_collect(inputs: Inputs, settings: CollectSettings, ctx: StageContext) -> Inputs:
-    from pipeline import clone_collect
+    from pipeline.clone import collect  # lazy: keeps chain importable without torch
 
-    return clone_collect.run(inputs, settings, ctx)
+    return collect.run(inputs, settings, ctx)
 
 
 def run_clone_search(inputs: Inputs, settings: SearchSettings, ctx: StageContext) -> Inputs:
-    from pipeline import clone_search
+    from pipeline.clone import search  # lazy: keeps chain importable without torch
 
-    return clone_search.run(inputs, settings, ctx)
+    return search.run(inputs, settings, ctx)
 
 
 def run_experts(inputs: Inputs, settings: ExpertSettings, ctx: StageContext) -> Inputs:
-    from pipeline import experts
+    from pipeline.clone import experts  # lazy: keeps chain importable without torch
 
     return experts.run(inputs, settings, ctx)
 
 
 def run_export(inputs: Inputs, settings: ExportSettings, ctx: StageContext) -> Inputs:
-    from pipeline import export
+    from pipeline.elastilm import export  # lazy: keeps chain importable without torch
 
     return export.run(inputs, settings, ctx)
 
 
 def run_corpus_generate(inputs: Inputs, settings: CorpusSettings, ctx: StageContext) -> Inputs:
-    from pipeline import corpus
+    from pipeline.elastilm import corpus  # lazy: keeps chain importable without torch
 
     return corpus.run_generate(inputs, settings, ctx)
 
 
 def run_corpus(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
-    from pipeline import corpus
+    from pipeline.elastilm import corpus  # lazy: keeps chain importable without torch
 
     return corpus.run_merge(inputs, settings, ctx)
 
 
 def run_publish(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:
-    from pipeline import publish
+    from pipeline import publish  # lazy: keeps chain importable without torch
 
     return publish.run(inputs, settings, ctx)
 

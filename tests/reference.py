@@ -7,8 +7,8 @@ import copy
 import torch
 from torch import nn
 
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.elastify import build_elastic, unit_orders
+from pipeline.elastilm.elastify import build_elastic, unit_orders
+from pipeline.models.elastic import ElasticCausalLM
 
 
 def relative_logit_error(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ log = logging.getLogger("elastify")
 @assets_app.command("prepare")
 def assets_prepare() -> None:
     """Convert the packaged SmolLM2 GGUF into a cached fp32 safetensors directory (idempotent)."""
+    # lazy: torch and the pipeline load only when this command runs (api imports without torch)
     from pipeline.assets import prepare_smollm2
 
     configure_logging()
@@ -54,11 +55,12 @@ def elastify_command(
     overwrite: bool = typer.Option(False, help="replace an existing package directory"),
 ) -> None:
     """Profile importance, pick anchors, reorder unit-major and write an elastic package."""
-    from pipeline.calibration import CalibrationError
-    from pipeline.elastify import ElastifyError, ElastifySettings, elastify
-    from pipeline.evaluate import EvaluateSettings, apply_quality, evaluate_package
-    from pipeline.models import ModelLoadError, load_model
-    from pipeline.profile import ProfileSettings, profile
+    # lazy: torch and the pipeline load only when this command runs (api imports without torch)
+    from pipeline.data.calibration import CalibrationError
+    from pipeline.elastilm.elastify import ElastifyError, ElastifySettings, elastify
+    from pipeline.elastilm.evaluate import EvaluateSettings, apply_quality, evaluate_package
+    from pipeline.elastilm.profile import ProfileSettings, profile
+    from pipeline.models.loading import ModelLoadError, load_model
     from pipeline.stage import StageContext
 
     configure_logging()

@@ -1,17 +1,19 @@
-"""Stage `clone-collect`: (per-layer keep-ratio vector, score) pairs for the CLONE search (DESIGN §5.8).
+"""Stage `clone-collect`: (per-layer keep-ratio vector, score) pairs for the CLONE search.
 
 A vector gives every layer a keep ratio from a small grid of bins (0 skips the layer, 1 keeps it
 whole). Vectors come from four heuristics: uniform width (LLM-Pruner style), dropping the least
 influential layers (ShortGPT style), widths weighted by layer importance around the anchors, and
 random. Each ratio is quantised to widths that exist (whole KV groups, `align`-neuron MLP steps,
-as `pipeline.elastify.layer_widths` cuts a level) and applied zero-copy through the device SDK's
+as `pipeline.elastilm.elastify.layer_widths` cuts a level) and applied zero-copy through the device SDK's
 `ElasticModel.set_widths`, so held-out perplexity is measured on the model a device runs; latency t
-and energy e come from the cost model (`pipeline.latency.request_cost`); the score of budget (T, E) is
+and energy e come from the cost model (`pipeline.elastilm.latency.request_cost`); the score of budget (T, E) is
 
     s = (1/ppl) · (E/e)^(α·1[E<e]) · (T/t)^(β·1[T<t]),  α = β = 2.
 
 The vector list is a pure function of the settings and the seed, so a shard is a slice of it
 (`shard`, `shards`): the stage fans out across Ray workers, and each worker loads the model once.
+
+Design: docs/design.md, 'clone-collect'.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ import torch
 
 from device_sdk.format import Manifest, atomic_write_bytes
 from device_sdk.latency import EnergyProfile
-from pipeline.calibration import make_windows
-from pipeline.elastify import layer_widths
-from pipeline.latency import RequestCost, host_constants, request_cost, widths_cost
+from pipeline.data.calibration import make_windows
+from pipeline.elastilm.elastify import layer_widths
+from pipeline.elastilm.latency import RequestCost, host_constants, request_cost, widths_cost
+from pipeline.models.elastic import serving_model
+from pipeline.models.scoring import perplexity
 from pipeline.settings import CollectSettings, ElastifySettings
 from pipeline.stage import StageContext
 
@@ -204,8 +208,6 @@ class Collector:
     def __init__(self, package_dir: Path, settings: CollectSettings, latency_report: dict | None = None):
         from transformers import AutoTokenizer
 
-        from pipeline.elastic_model import serving_model
-
         self.settings = settings
         self.package_dir = Path(package_dir)
         self.model = serving_model(self.package_dir)
@@ -222,8 +224,6 @@ class Collector:
                             self.settings.decode_tokens)
 
     def evaluate(self, bins_index: list[int], origin: str) -> dict:
-        from pipeline.lm import perplexity
-
         attn, mlp = bins_to_widths(self.manifest, bins_index, self.settings)
         self.model.set_widths(attn, mlp)
         ppl = perplexity(self.model, self.windows, self.settings.batch_size)

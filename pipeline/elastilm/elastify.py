@@ -20,7 +20,8 @@ import torch
 
 from device_sdk.format import Architecture, Elastic, ElasticTensor, LevelShape, parse_levels
 from device_sdk.package import write_package
-from pipeline.profile import Importance
+from pipeline.elastilm.profile import Importance
+from pipeline.models.loading import load_model
 from pipeline.settings import ElastifySettings
 from pipeline.stage import StageContext
 
@@ -275,8 +276,6 @@ def elastify(
 
 def run(inputs: dict[str, Path], settings: ElastifySettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"model", "importance"} -> outputs {"package": dir}; ctx.runtime may give the build_id."""
-    from pipeline.models import load_model
-
     loaded = load_model(inputs["model"])
     out = ctx.work_dir / "package"
     elastify(

@@ -1,6 +1,6 @@
 """Stages `evaluate-light` (perplexity per level) and `evaluate` (the report card and publish gate).
 
-Both evaluate the device SDK's own model (`pipeline.elastic_model.serving_model`), so the report
+Both evaluate the device SDK's own model (`pipeline.models.elastic.serving_model`), so the report
 card's numbers are what a device computes. The report is a separate file; `apply_quality` folds
 it into a manifest before publishing.
 
@@ -24,9 +24,13 @@ import torch.nn.functional as F
 
 from device_sdk.format import Level, Manifest, atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.runtime import ElasticModel
-from pipeline.calibration import cut_windows, make_windows
-from pipeline.elastic_model import serving_model
-from pipeline.lm import LOGIT_CHUNK, perplexity
+from pipeline.data.calibration import cut_windows, make_windows
+from pipeline.data.recovery_text import load_heldout_texts
+from pipeline.data.tasks import load_items
+from pipeline.elastilm.label import answer_correct
+from pipeline.elastilm.latency import measure_level_points, profile_from_dict, profile_from_manifest
+from pipeline.models.elastic import serving_model
+from pipeline.models.scoring import LOGIT_CHUNK, perplexity
 from pipeline.settings import ReportCardSettings
 from pipeline.stage import StageContext
 
@@ -175,7 +179,7 @@ def window_predictions(model: ElasticModel, windows: torch.Tensor, batch_size: i
     """(mean next-token NLL, the argmax next token at every position [N, T - 1]) at the model's level.
 
     One forward pass gives both the perplexity and what top-1 agreement compares; the LM head
-    runs in chunks so the logits never fill memory (as pipeline.lm does).
+    runs in chunks so the logits never fill memory (as pipeline.models.scoring does).
     """
     total, argmax = 0.0, []
     for start in range(0, windows.shape[0], batch_size):
@@ -193,8 +197,6 @@ def window_predictions(model: ElasticModel, windows: torch.Tensor, batch_size: i
 
 def heldout_windows(tokenizer, corpus_dir: Path, settings: ReportCardSettings) -> torch.Tensor | None:
     """Up to `windows` windows of the recovery corpus's held-out generated slice; None when it is shorter than one."""
-    from pipeline.corpus import load_heldout_texts
-
     ids = tokenizer("\n\n".join(load_heldout_texts(corpus_dir)), add_special_tokens=False)["input_ids"]
     count = min(settings.windows, len(ids) // settings.window_length)
     if count == 0:
@@ -260,9 +262,6 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
     """
     from transformers import AutoTokenizer
 
-    from pipeline.label import answer_correct, load_items
-    from pipeline.latency import measure_level, profile_from_manifest
-
     package_dir = Path(package_dir)
     model = serving_model(package_dir)
     manifest = model.manifest
@@ -304,7 +303,7 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
             row["predicted_ttft_ms"] = profile.ttft_ms(level.name, settings.prompt_tokens)
             row["predicted_tpot_ms"] = profile.tpot_ms(level.name)
         if settings.measure_latency:
-            ttft, tpot = measure_level(model, [settings.prompt_tokens], decode_tokens=4, repeats=1)
+            ttft, tpot = measure_level_points(model, [settings.prompt_tokens], decode_tokens=4, repeats=1)
             row["measured_ttft_ms"], row["measured_tpot_ms"] = ttft[settings.prompt_tokens], tpot
         levels[level.name] = row
     reference = levels[reference_name]
@@ -415,8 +414,6 @@ def run_card(inputs: dict[str, Path], options: ReportCardSettings, ctx: StageCon
     Raises PublishGateError when the gate fails. The card and plot are written before the gate is
     checked, so a failed build still shows its numbers.
     """
-    from pipeline.latency import profile_from_dict
-
     profile = None
     if "latency" in inputs:
         profile = profile_from_dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])

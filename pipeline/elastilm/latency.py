@@ -1,4 +1,4 @@
-"""Stage `latency`: the cost model of every level (DESIGN §5.7).
+"""Stage `latency`: the cost model of every level (docs/design.md, 'latency').
 
 Analytic part, per level, from the units it keeps:
   * `flops_per_token`   = 2 · active parameters (every kept weight is one multiply-add);
@@ -14,6 +14,9 @@ The manifest's `latency_profile` is then exactly `device_sdk.latency.LatencyProf
 `ttft_base_ms`, `ttft_per_token_ms`, `tpot_ms`; TTFT(n) = base + per_token · n), so the SDK reads
 the same fields and replaces them with its own measurements. The quadratic attention term is
 folded into the per-token slope at `reference_tokens`.
+
+The name is device_sdk.latency's on purpose: this module is the build-host half of the same cost
+model (it fits and writes the profile; the SDK reads, re-measures and serves by it).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from device_sdk.latency import (  # noqa: F401 (EnergyProfile, LevelLatency, fea
 )
 from device_sdk.measure import measure_points
 from device_sdk.runtime import ElasticModel
-from pipeline.elastify import active_params
+from pipeline.elastilm.elastify import active_params
+from pipeline.models.elastic import serving_model
 from pipeline.settings import LatencySettings
 from pipeline.stage import StageContext
 
@@ -84,9 +88,11 @@ def level_costs(manifest: Manifest, element_size: int = 4) -> dict[str, LevelCos
 # --------------------------------------------------------------------------- measuring on the build host
 
 
-def measure_level(model: ElasticModel, prompt_lengths: list[int], decode_tokens: int,
-                  repeats: int) -> tuple[dict[int, float], float]:
-    """({prompt length: TTFT ms}, TPOT ms) of the SDK model's current level, timed as the device times it."""
+def measure_level_points(model: ElasticModel, prompt_lengths: list[int], decode_tokens: int,
+                         repeats: int) -> tuple[dict[int, float], float]:
+    """({prompt length: TTFT ms}, TPOT ms) of the SDK model's current level, timed as the device times it.
+
+    The measured points themselves; device_sdk.measure.measure_level fits a LevelLatency line to them."""
     ttfts, tpot = measure_points(model, prompt_lengths, decode_tokens, repeats)
     return dict(zip(prompt_lengths, ttfts, strict=True)), tpot
 
@@ -95,7 +101,7 @@ def measure_host(model, levels: list[str], settings: LatencySettings, ctx: Stage
     measured = {}
     for name in ctx.track(levels, "latency: measure levels"):
         model.set_level(name)
-        ttft, tpot = measure_level(model, settings.prompt_lengths, settings.decode_tokens, settings.repeats)
+        ttft, tpot = measure_level_points(model, settings.prompt_lengths, settings.decode_tokens, settings.repeats)
         measured[name] = {"ttft_ms": {str(n): ms for n, ms in ttft.items()}, "tpot_ms": tpot}
     return measured
 
@@ -222,8 +228,6 @@ def cost_rank(profile: LatencyProfile, level: str, prompt_ratio: float, prompt_t
 
 def build_cost_model(package_dir: Path, settings: LatencySettings, ctx: StageContext) -> dict:
     """Costs per level, and the host constants fitted to the device SDK's own model timed on this host."""
-    from pipeline.elastic_model import serving_model
-
     model = serving_model(package_dir)
     manifest = model.manifest
     element_size = model.element_size

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from device_sdk.format import Architecture, atomic_write_bytes
-from pipeline.calibration import make_windows
-from pipeline.lm import nll_from_hidden, nll_sum
+from pipeline.data.calibration import make_windows
+from pipeline.models.loading import load_model
+from pipeline.models.scoring import nll_from_hidden, nll_sum
 from pipeline.settings import ProfileSettings
 from pipeline.stage import StageContext
 
@@ -321,8 +322,6 @@ def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx
 
 def run(inputs: dict[str, Path], settings: ProfileSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}."""
-    from pipeline.models import load_model
-
     loaded = load_model(inputs["model"])
     result = profile(loaded.model, loaded.tokenizer, loaded.architecture, settings, ctx)
     out = ctx.work_dir / IMPORTANCE_FILE

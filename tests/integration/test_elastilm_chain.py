@@ -103,7 +103,7 @@ def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2
 
 
 def _profile_from(manifest):
-    from pipeline.latency import profile_from_manifest
+    from pipeline.elastilm.latency import profile_from_manifest
 
     return profile_from_manifest(manifest)
 

@@ -11,7 +11,7 @@ import pytest
 def smollm2_package(smollm2, tmp_path_factory) -> Path:
     """SmolLM2 as a signed device-SDK test package, its units ordered by a small Taylor profile
     (real importance keeps the smaller levels real language models, as the int8 check needs)."""
-    from pipeline.profile import ProfileSettings, profile
+    from pipeline.elastilm.profile import ProfileSettings, profile
     from pipeline.stage import quiet_context
     from tests.unit.sdk_packages import SMOLLM2_LEVELS, build_package, signing_key
 

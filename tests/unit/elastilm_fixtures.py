@@ -55,9 +55,9 @@ def _one_thread(fn):
 @_one_thread
 def smollm2_elastic_package() -> Path:
     from pipeline.assets import prepare_smollm2
-    from pipeline.elastify import ElastifySettings, elastify
-    from pipeline.models import load_model
-    from pipeline.profile import ProfileSettings, profile
+    from pipeline.elastilm.elastify import ElastifySettings, elastify
+    from pipeline.elastilm.profile import ProfileSettings, profile
+    from pipeline.models.loading import load_model
     from pipeline.stage import quiet_context
 
     loaded = load_model(prepare_smollm2())
@@ -76,7 +76,7 @@ def recovery_results() -> dict[str, dict]:
     """Per level below 1.0: the recover stage's outputs and metrics (short torch-loop runs)."""
     import json
 
-    from pipeline import recover
+    from pipeline.elastilm import recover
     from pipeline.stage import quiet_context
 
     results = {}
@@ -94,8 +94,8 @@ def recovery_results() -> dict[str, dict]:
 @_one_thread
 def recovered_package() -> Path:
     """The shared package plus its level adapters, installed through the fan-in entry."""
-    from pipeline import recover
     from pipeline.contract import StageSettings
+    from pipeline.elastilm import recover
     from pipeline.stage import quiet_context
 
     inputs = {"package": smollm2_elastic_package()}
@@ -113,7 +113,7 @@ def scratch(name: str) -> Path:
 @_one_thread
 def score_tlm_dir() -> Path:
     """A score-head TLM trained briefly on LLM-derived labels (LAMBADA passages, full SmolLM2)."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
     from pipeline.stage import quiet_context
 
     settings = tlm.ScoreSettings(texts=["lambada"], passages=24, passage_words=50, steps=40, batch_size=8, lr=1e-4,
@@ -124,7 +124,7 @@ def score_tlm_dir() -> Path:
 @cache
 @_one_thread
 def latency_report() -> Path:
-    from pipeline import latency
+    from pipeline.elastilm import latency
     from pipeline.stage import quiet_context
 
     settings = latency.LatencySettings(prompt_lengths=[16, 64], decode_tokens=4, repeats=1)

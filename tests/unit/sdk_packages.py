@@ -43,7 +43,7 @@ def sign_package(package_dir: Path, key: Ed25519PrivateKey) -> None:
 
 def random_importance(arch, seed: int = 0):
     """Shuffled unit scores: the tests need a real reorder, not a good one."""
-    from pipeline.profile import Importance
+    from pipeline.elastilm.profile import Importance
 
     generator = torch.Generator().manual_seed(seed)
     return Importance(
@@ -58,8 +58,8 @@ def build_package(model, tokenizer, out_dir: Path, key: Ed25519PrivateKey, *, na
                   version: str = "1.0.0", levels=LEVELS, dtype: str = "float32", align: int = 8,
                   importance=None) -> Path:
     """Elastify `model` (with shuffled importance unless given one) and sign the package."""
-    from pipeline.elastify import ElastifySettings, elastify
-    from pipeline.models import describe_architecture
+    from pipeline.elastilm.elastify import ElastifySettings, elastify
+    from pipeline.models.loading import describe_architecture
 
     arch = describe_architecture(model.config)
     settings = ElastifySettings(levels=list(levels), align=align, anchor_fraction=0.25, dtype=dtype)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from device_sdk.format import PackageError, read_manifest, rewrite_manifest
 from device_sdk.latency import SLO
 from device_sdk.trust import verify_package
-from pipeline.clone_collect import (
+from pipeline.clone.collect import (
     CloneError,
     CollectSettings,
     bins_to_widths,
@@ -23,7 +23,7 @@ from pipeline.clone_collect import (
     score,
     shard_of,
 )
-from pipeline.clone_search import SearchSettings, search, seed_vectors
+from pipeline.clone.search import SearchSettings, search, seed_vectors
 from pipeline.publish import publish_package
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
@@ -115,7 +115,7 @@ def test_bad_budgets_and_settings_are_refused(package, calib):
 
 def test_search_profiles_round_trip_through_package_and_sdk(package, calib, tmp_path):
     from device_sdk.runtime import ElasticModel
-    from pipeline.elastic_model import ElasticCausalLM
+    from pipeline.models.elastic import ElasticCausalLM
 
     options = settings(calib, budgets=[BUDGET, {"name": "frugal", "energy": 0.5}])
     paths = []

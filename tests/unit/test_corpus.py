@@ -10,21 +10,23 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from pipeline.corpus import (
+from pipeline.data.recovery_text import (
     HELDOUT_FILE,
-    MANIFEST_FILE,
     RECOVERY_FILE,
     CorpusError,
-    CorpusSettings,
-    check_disjoint,
-    generate_shard,
     load_heldout_texts,
     load_recovery_texts,
-    merge_corpus,
     normalise,
     select_prompts,
+)
+from pipeline.elastilm.corpus import (
+    MANIFEST_FILE,
+    check_disjoint,
+    generate_shard,
+    merge_corpus,
     source_counts,
 )
+from pipeline.settings import CorpusSettings
 from tests.unit.sdk_packages import signing_key, tiny_package
 
 # Few short generations, but the real packaged text: every passage source and all of PTB train.
@@ -118,9 +120,9 @@ def test_recovery_data_is_disjoint_from_every_evaluation_set(corpus, tmp_path):
     """On the real packaged data: PTB test/valid, LAMBADA, the tasks' items, and the held-out slice."""
     import treebank
 
-    from pipeline.calibration import load_corpus
-    from pipeline.evaluate import ReportCardSettings
-    from pipeline.label import LabelSettings, load_items
+    from pipeline.data.calibration import load_corpus
+    from pipeline.data.tasks import load_items
+    from pipeline.settings import LabelSettings, ReportCardSettings
 
     counts = check_disjoint(corpus)
     assert counts["recovery_lines_compared"] > 40_000 and counts["evaluation_items"] > 4000

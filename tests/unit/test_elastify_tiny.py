@@ -7,17 +7,17 @@ import torch
 from pydantic import ValidationError
 
 from device_sdk.elastic import ElasticLinear
-from pipeline.calibration import make_windows
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.elastify import (
+from pipeline.data.calibration import make_windows
+from pipeline.elastilm.elastify import (
     ElastifySettings,
     choose_anchors,
     elastify,
     kept_units,
     level_table,
 )
-from pipeline.models import describe_architecture
-from pipeline.profile import ProfileSettings, profile
+from pipeline.elastilm.profile import ProfileSettings, profile
+from pipeline.models.elastic import ElasticCausalLM
+from pipeline.models.loading import describe_architecture
 from pipeline.stage import quiet_context
 from tests.reference import elastic_in_memory, sliced_dense_copy
 from tests.tiny import TINY_CONFIGS, byte_tokenizer, tiny_model
@@ -133,9 +133,9 @@ def test_vectorize_and_block_influence_options(profiled, calib_text):
 
 def test_taylor_scores_equal_a_full_gradient_computation(calib_text):
     """The hook-and-free reduction gives exactly Σ|w·g| from a plain full backward."""
-    from pipeline.calibration import make_windows
-    from pipeline.lm import nll_sum
-    from pipeline.profile import unit_importance
+    from pipeline.data.calibration import make_windows
+    from pipeline.elastilm.profile import unit_importance
+    from pipeline.models.scoring import nll_sum
 
     model = tiny_model("qwen2_bias")
     arch = describe_architecture(model.config)
@@ -199,7 +199,7 @@ def test_bad_settings_are_refused(settings, message):
 def test_levels_hit_their_parameter_budget_with_or_without_anchors():
     """On SmolLM2's shape (3 KV groups: coarse attention steps) the MLP absorbs the rounding."""
     from device_sdk.format import Architecture
-    from pipeline.elastify import unit_params
+    from pipeline.elastilm.elastify import unit_params
 
     arch = Architecture(family="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,
                         intermediate=1536, vocab=49152, norm_eps=1e-5, rope={"rope_theta": 1e5})
@@ -221,7 +221,7 @@ def test_levels_hit_their_parameter_budget_with_or_without_anchors():
 def test_whole_attention_makes_the_mlp_alone_elastic_at_the_same_budget():
     """attn_rounding="whole" (MatFormer's shape): every KV group at every level, the MLP pays for the level."""
     from device_sdk.format import Architecture
-    from pipeline.elastify import unit_params
+    from pipeline.elastilm.elastify import unit_params
 
     arch = Architecture(family="llama", layers=30, hidden=576, heads=9, kv_heads=3, head_dim=64,
                         intermediate=1536, vocab=49152, norm_eps=1e-5, rope={"rope_theta": 1e5})
@@ -259,9 +259,9 @@ def test_level_switch_is_one_write_and_per_layer_widths_still_work(profiled):
 def test_group_loo_equals_removing_the_group_in_a_full_forward(kind, calib_text):
     """Each KV group's score is the loss increase of the whole model with that group's o_proj
     columns zeroed (which is what pruning it does), though only later layers are re-run."""
-    from pipeline.calibration import make_windows
-    from pipeline.lm import nll_sum
-    from pipeline.profile import group_importance_loo
+    from pipeline.data.calibration import make_windows
+    from pipeline.elastilm.profile import group_importance_loo
+    from pipeline.models.scoring import nll_sum
 
     model = tiny_model(kind)
     arch = describe_architecture(model.config)

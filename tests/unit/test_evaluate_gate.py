@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.evaluate import PublishGateError, check_gate, gate_failures
+from pipeline.elastilm.evaluate import PublishGateError, check_gate, gate_failures
 
 
 def card(ppl_half, ppl_full, acc_half=0.40, acc_full=0.45, items=100):
@@ -41,7 +41,7 @@ def test_evaluate_gate_compares_adapted_levels_with_adapted_levels_only():
 def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
     import json
 
-    from pipeline import evaluate
+    from pipeline.elastilm import evaluate
     from pipeline.stage import quiet_context
     from tests.tiny import byte_tokenizer, tiny_model
     from tests.unit.sdk_packages import add_recovery_adapters, build_package, signing_key

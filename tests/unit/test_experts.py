@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from device_sdk.experts import ExpertRouter, fit_to_width, mix
-from pipeline.experts import ExpertSettings, build_experts, install_experts
+from pipeline.clone.experts import ExpertSettings, build_experts, install_experts
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import signing_key, tiny_package
 
@@ -51,7 +51,7 @@ def test_stacked_mixture_equals_the_weighted_sum_of_experts():
 def test_router_sends_held_out_prompts_to_their_task():
     """Headline: MiniLM centroids of 64 training prompts per task, 32 held-out prompts per task."""
     from device_sdk.encoder import MiniLMEncoder
-    from pipeline.experts import centroids, expert_name, router_accuracy, split_task
+    from pipeline.clone.experts import centroids, expert_name, router_accuracy, split_task
 
     settings = ExpertSettings()
     encoder = MiniLMEncoder.load(settings.encoder_dir())

@@ -14,7 +14,8 @@ from cluster.dag import UpstreamInput, plan
 from cluster.spec import SpecError, parse_spec
 from device_sdk.format import read_manifest
 from device_sdk.trust import verify_package
-from pipeline import export, publish
+from pipeline import publish
+from pipeline.elastilm import export
 from pipeline.settings import ExportSettings
 from pipeline.stage import quiet_context
 from tests.unit.sdk_packages import sign_package, signing_key, tiny_package

@@ -26,7 +26,7 @@ def _shot_question(shot: str) -> str:
 
 
 def test_few_shot_block_is_fixed_and_built_from_train_split_only():
-    from pipeline.label import few_shot_block, load_task, train_shots
+    from pipeline.data.tasks import few_shot_block, load_task, train_shots
 
     for task in SIX_TASKS:
         shots = train_shots(task)
@@ -49,7 +49,7 @@ def test_few_shot_block_is_fixed_and_built_from_train_split_only():
 def test_labelled_held_out_and_shot_items_are_disjoint():
     """The default labelling range, the report card's held-out items, the benches' held-out range from
     item 300 and every task's shots share no item."""
-    from pipeline.label import load_items, train_shots
+    from pipeline.data.tasks import load_items, train_shots
     from pipeline.settings import LabelSettings, ReportCardSettings
 
     settings, card = LabelSettings(), ReportCardSettings()
@@ -68,7 +68,7 @@ def test_labelled_held_out_and_shot_items_are_disjoint():
 
 
 def test_boolq_loads_with_its_passage():
-    from pipeline.label import load_task
+    from pipeline.data.tasks import load_task
 
     items = load_task("boolq")
     assert len(items) == 3270
@@ -85,7 +85,7 @@ def _text_worker():
     """A label worker with the package's tokenizer and a compressor that keeps every other word (no model)."""
     from transformers import AutoTokenizer
 
-    from pipeline.label import LabelWorker
+    from pipeline.elastilm.label import LabelWorker
 
     worker = object.__new__(LabelWorker)
     worker.tokenizer = AutoTokenizer.from_pretrained(str(smollm2_elastic_package() / "model"))
@@ -94,7 +94,7 @@ def _text_worker():
 
 
 def test_compression_touches_only_the_few_shot_block_and_the_passage():
-    from pipeline.label import few_shot_block, full_prompt, load_items
+    from pipeline.data.tasks import few_shot_block, full_prompt, load_items
 
     worker = _text_worker()
     items = load_items(["boolq"], 0, 2) + load_items(["arc_easy"], 0, 2)
@@ -118,19 +118,20 @@ def test_compression_touches_only_the_few_shot_block_and_the_passage():
 def test_few_shot_prefix_cache_reuse_gives_the_scores_of_whole_prompts():
     """The sweep with the prefix's KV cache reused equals the sweep running every whole prompt, and one
     grid cell equals a plain forward of prompt + choice written here."""
-    from pipeline import label
+    from pipeline.data.tasks import few_shot_block, full_prompt, load_items
+    from pipeline.elastilm import label
     from pipeline.stage import quiet_context
 
     worker = label.LabelWorker(recovered_package(), score_tlm_dir())
-    items = label.load_items(["arc_easy"], 0, 2) + label.load_items(["boolq"], 0, 1)
+    items = load_items(["arc_easy"], 0, 2) + load_items(["boolq"], 0, 1)
     ratios, levels = [0.5, 1.0], ["0.5", "1.0"]  # 0.5 runs its recovery LoRA
     reused = worker.sweep_scored(items, ratios, levels, ["?"], quiet_context(), shots=2, reuse_prefix=True)
     whole = worker.sweep_scored(items, ratios, levels, ["?"], quiet_context(), shots=2, reuse_prefix=False)
     assert torch.equal(reused[0], whole[0])
     assert (reused[1] - whole[1]).abs().max().item() < 1e-4
     item, tokenizer = items[2], worker.tokenizer  # BoolQ at ratio 1, level 1.0
-    prompt = label.full_prompt(label.few_shot_block("boolq", 2), item.prompt())
-    context = tokenizer(label.few_shot_block("boolq", 2) + "\n\n", add_special_tokens=False)["input_ids"]
+    prompt = full_prompt(few_shot_block("boolq", 2), item.prompt())
+    context = tokenizer(few_shot_block("boolq", 2) + "\n\n", add_special_tokens=False)["input_ids"]
     context += tokenizer(item.prompt(), add_special_tokens=False)["input_ids"]
     assert len(context) > 300 and tokenizer.decode(context) == prompt
     worker.set_level("1.0")

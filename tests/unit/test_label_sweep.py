@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 @cache
 def labelled_shards() -> list[dict[str, Path]]:
-    from pipeline import label
+    from pipeline.elastilm import label
     from pipeline.stage import quiet_context
 
     shards = []
@@ -38,27 +38,28 @@ def labelled_shards() -> list[dict[str, Path]]:
 
 @cache
 def derived_labels() -> Path:
-    from pipeline import label
+    from pipeline.elastilm import slo_labels
+    from pipeline.settings import DeriveSettings
     from pipeline.stage import quiet_context
 
     inputs = {"package": recovered_package(), "latency": latency_report()}
     for index, shard in enumerate(labelled_shards()):
         inputs[f"correctness.{index}"] = shard["correctness"]
         inputs[f"meta.{index}"] = shard["meta"]
-    return label.run_derive(inputs, label.DeriveSettings(), quiet_context(scratch("derive")))["labels"]
+    return slo_labels.run_derive(inputs, DeriveSettings(), quiet_context(scratch("derive")))["labels"]
 
 
 def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
-    import pipeline.elastic_model
     from device_sdk.elastic import ElasticLinear
     from device_sdk.runtime import ElasticModel
-    from pipeline import label
+    from pipeline.data.tasks import load_items
+    from pipeline.elastilm import label
     from pipeline.stage import quiet_context
 
     package, tlm_dir = recovered_package(), score_tlm_dir()  # build the shared inputs before counting loads
     loads = []
-    original = pipeline.elastic_model.serving_model
-    monkeypatch.setattr(pipeline.elastic_model, "serving_model", lambda *a: loads.append(a) or original(*a))
+    original = label.serving_model
+    monkeypatch.setattr(label, "serving_model", lambda *a: loads.append(a) or original(*a))
     worker = label.LabelWorker(package, tlm_dir)
     assert isinstance(worker.model, ElasticModel)  # the device's own model
 
@@ -77,7 +78,7 @@ def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
             assert module.active_weight.untyped_storage().data_ptr() == storages[id(module)][1]
 
     worker.set_level = tracking_set_level
-    items = label.load_items(["arc_easy"], 0, 3)
+    items = load_items(["arc_easy"], 0, 3)
     correct = worker.sweep(items, RATIOS, worker.levels, ["?"], quiet_context())
     assert correct.shape == (3, len(RATIOS), len(worker.levels))
     assert len(visited) == len(worker.levels)  # one switch per level: every item and ratio runs at it
@@ -90,11 +91,12 @@ def test_label_worker_sweeps_every_grid_point_without_reloading(monkeypatch):
 def test_label_choice_scores_share_the_prompt_cache_exactly():
     """The batched scorer (prompts of different lengths, one KV cache shared by their choices,
     LM head only at choice tokens) equals one plain forward per (prompt, choice) row."""
-    from pipeline import label
+    from pipeline.data.tasks import load_items
+    from pipeline.elastilm import label
 
     worker = label.LabelWorker(recovered_package(), None)
     tokenizer = worker.tokenizer
-    item = label.load_items(["arc_easy"], 0, 1)[0]
+    item = load_items(["arc_easy"], 0, 1)[0]
     prompts = [item.prompt(), item.prompt("Which is a renewable resource?"), "Answer:"]
     choices = item.choices + ["a much longer choice of several words than the others"]
     for level in ("0.5", "1.0"):  # 0.5 runs its recovery LoRA
@@ -116,7 +118,7 @@ def test_label_choice_scores_share_the_prompt_cache_exactly():
 
 def test_label_level_adapter_changes_the_output_of_its_level_only():
     from device_sdk.llama import Projection
-    from pipeline import label
+    from pipeline.elastilm import label
 
     worker = label.LabelWorker(recovered_package(), None)
     ids = torch.tensor([[1, 2, 3, 4]])
@@ -135,7 +137,7 @@ def test_label_level_adapter_changes_the_output_of_its_level_only():
 
 
 def test_label_shards_store_the_correctness_tensor():
-    from pipeline.label import load_shards
+    from pipeline.elastilm.slo_labels import load_shards
 
     shards = labelled_shards()
     correct, tokens, meta = load_shards([(s["correctness"], s["meta"]) for s in shards])
@@ -147,7 +149,7 @@ def test_label_shards_store_the_correctness_tensor():
 
 
 def test_label_rules_pick_most_capable_or_lightest_feasible_pair():
-    from pipeline.label import choose_pair
+    from pipeline.elastilm.slo_labels import choose_pair
 
     correct = torch.tensor([[True, False, True], [True, True, False]])  # [ratio, level]
     pairs = [(0, 0), (0, 1), (1, 0), (1, 1)]  # (ratio index, level index); level 2 infeasible
@@ -162,7 +164,7 @@ def test_label_rules_pick_most_capable_or_lightest_feasible_pair():
 def test_label_derive_picks_hand_computed_labels():
     """Two items, two levels, two ratios, three SLO classes; every expected label worked out by hand."""
     from device_sdk.latency import LatencyProfile, LevelLatency
-    from pipeline.label import derive_labels
+    from pipeline.elastilm.slo_labels import derive_labels
 
     # TTFT(n) = base + per_token * n. At n = 100: level 1.0 110 ms (60 at ratio 0.5), tpot 10;
     # level 0.5 55 ms (30 at ratio 0.5), tpot 6.
@@ -195,7 +197,7 @@ def test_label_derive_picks_hand_computed_labels():
 def test_label_derived_labels_match_a_brute_force_over_the_grid():
     """The stage's labels from the real shards equal a search over every pair written here from the
     latency report's raw numbers and the rules' definitions (no pipeline cost-model or rule code)."""
-    from pipeline.label import load_shards, slo_grid
+    from pipeline.elastilm.slo_labels import load_shards, slo_grid
 
     labels = json.loads(Path(derived_labels()).read_text())
     profile = json.loads(Path(latency_report()).read_text())["latency_profile"]
@@ -244,7 +246,7 @@ def test_label_derived_labels_match_a_brute_force_over_the_grid():
 
 
 def test_tlm_decision_head_trains_saves_and_picks_feasible_pairs():
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
     from pipeline.stage import quiet_context
 
     out = tlm.run_decision({"tlm": score_tlm_dir(), "labels": derived_labels()},

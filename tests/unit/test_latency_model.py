@@ -10,7 +10,7 @@ import pytest
 
 from device_sdk.latency import SLO, Drift, LatencyProfile, LevelLatency
 from device_sdk.latency import feasible as sdk_feasible
-from pipeline.latency import LevelCost, feasible, fit_host, predicted_profile
+from pipeline.elastilm.latency import LevelCost, feasible, fit_host, predicted_profile
 
 
 def costs():
@@ -38,7 +38,7 @@ def test_latency_fit_recovers_host_constants_from_measurements():
 
 
 def test_latency_profile_round_trips_through_the_sdk_schema(tmp_path):
-    from pipeline.latency import latency_profile_dict
+    from pipeline.elastilm.latency import latency_profile_dict
 
     profile = predicted_profile(costs(), {"ttft_overhead_ms": 2, "ms_per_flop": 1e-7, "tpot_overhead_ms": 1,
                                           "ms_per_byte": 1e-9}, reference_tokens=128)

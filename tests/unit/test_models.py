@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pipeline.models import ModelLoadError, check_hf_dir, load_model
+from pipeline.models.loading import ModelLoadError, check_hf_dir, load_model
 from tests.tiny import TINY_CONFIGS, save_tiny, tiny_model
 
 

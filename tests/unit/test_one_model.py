@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 from device_sdk.format import read_manifest
 from device_sdk.lora import AdapterError, adapter_scale, read_adapter
 from device_sdk.runtime import ElasticModel
-from pipeline.elastic_model import ElasticCausalLM, serving_model
+from pipeline.models.elastic import ElasticCausalLM, serving_model
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer
 from tests.unit.sdk_packages import signing_key, tiny_package
@@ -26,7 +26,7 @@ RANK, ALPHA = 4, 8.0  # scale 2
 def trained_looking_adapters(package: Path, tmp_path: Path, seed: int = 0) -> dict[str, torch.nn.Module]:
     """Per level: recover's own training view (HF sub-model + peft) with random non-zero A and B,
     saved and installed through recover's own code. Returns the peft models."""
-    from pipeline.recover import (
+    from pipeline.elastilm.recover import (
         RecoverSettings,
         add_lora,
         install_adapters,
@@ -86,7 +86,7 @@ def test_adapter_scale_is_one_clear_error_when_missing_or_garbled(tmp_path):
     save_file(tensors, str(path), metadata={"level": level.name})
     with pytest.raises(AdapterError, match="no-scale.safetensors has neither"):
         read_adapter(path)
-    from pipeline.recover import install_adapters
+    from pipeline.elastilm.recover import install_adapters
 
     install_adapters(package, {level.name: path})
     with pytest.raises(AdapterError):  # the device refuses it too: no silent default scale
@@ -94,7 +94,7 @@ def test_adapter_scale_is_one_clear_error_when_missing_or_garbled(tmp_path):
 
 
 def test_choice_scores_over_a_shared_prompt_cache_equal_one_sdk_forward_per_row(tmp_path):
-    from pipeline import label
+    from pipeline.elastilm import label
 
     _, package = tiny_package("qwen2_bias", tmp_path / "pkg", KEY)
     trained_looking_adapters(package, tmp_path)
@@ -116,10 +116,9 @@ def test_choice_scores_over_a_shared_prompt_cache_equal_one_sdk_forward_per_row(
 
 
 def test_evaluate_latency_and_label_run_the_sdk_model(tmp_path, calib_text, monkeypatch):
-    import pipeline.elastic_model
-    from pipeline import evaluate, label, latency
-    from pipeline.calibration import make_windows
-    from pipeline.lm import nll_from_hidden
+    from pipeline.data.calibration import make_windows
+    from pipeline.elastilm import evaluate, label, latency
+    from pipeline.models.scoring import nll_from_hidden
 
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", KEY)
     trained_looking_adapters(package, tmp_path)
@@ -129,8 +128,8 @@ def test_evaluate_latency_and_label_run_the_sdk_model(tmp_path, calib_text, monk
         loaded.append(serving_model(package_dir))
         return loaded[-1]
 
-    monkeypatch.setattr(evaluate, "serving_model", spy)
-    monkeypatch.setattr(pipeline.elastic_model, "serving_model", spy)
+    for stage in (evaluate, latency, label):
+        monkeypatch.setattr(stage, "serving_model", spy)
 
     # evaluate: each level's perplexity is the SDK model's, with that level's LoRA
     settings = evaluate.EvaluateSettings(corpus=[str(calib_text)], windows=2, window_length=24)

@@ -21,9 +21,9 @@ from device_sdk.format import (
 )
 from device_sdk.package import read_tensor_prefix
 from device_sdk.trust import verify_package
-from pipeline.elastify import ElastifySettings, elastify
-from pipeline.models import describe_architecture
-from pipeline.profile import ProfileSettings, profile
+from pipeline.elastilm.elastify import ElastifySettings, elastify
+from pipeline.elastilm.profile import ProfileSettings, profile
+from pipeline.models.loading import describe_architecture
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
 
@@ -132,7 +132,7 @@ def test_signature_verifies_only_with_the_right_key_and_content(package):
 def test_write_refuses_existing_dir_and_leaves_no_temp(package):
     model = tiny_model("llama_gqa")
     arch = describe_architecture(model.config)
-    from pipeline.profile import Importance
+    from pipeline.elastilm.profile import Importance
 
     importance = Importance(
         attn=[torch.rand(arch.kv_heads) for _ in range(arch.layers)],

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 SCRIPT = """
 import json, sys
 from pathlib import Path
-from pipeline import recover
+from pipeline.elastilm import recover
 from pipeline.stage import quiet_context
 package, corpus, out = map(Path, sys.argv[1:4])
 settings = recover.RecoverSettings(level="0.5", backend="deepspeed", zero_stage=2, steps=4, batch_size=2, seq_len=32,

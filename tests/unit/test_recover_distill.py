@@ -11,8 +11,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.recover import (
+from pipeline.elastilm.recover import (
     LevelViews,
     RecoverError,
     add_lora,
@@ -31,6 +30,7 @@ from pipeline.recover import (
     train_torch,
     warm_start,
 )
+from pipeline.models.elastic import ElasticCausalLM
 from pipeline.settings import RecoverSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
@@ -116,7 +116,7 @@ def test_bf16_training_autocasts_the_matmuls_and_keeps_the_lora_and_the_base_in_
 
 
 def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_native_bf16_only(monkeypatch):
-    from pipeline import precision
+    from pipeline.models import precision
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     for native in (True, False):
@@ -369,7 +369,7 @@ def test_lm_loss_is_still_an_option(package, corpus, tmp_path):
 
 
 def test_recover_trains_on_a_recovery_corpus_directory(package, corpus, tmp_path):
-    from pipeline.corpus import RECOVERY_FILE
+    from pipeline.data.recovery_text import RECOVERY_FILE
 
     directory = tmp_path / "corpus"
     directory.mkdir()
@@ -390,7 +390,7 @@ def test_recover_trains_on_a_recovery_corpus_directory(package, corpus, tmp_path
 
 
 def test_text_windows_match_the_named_corpus_windows(corpus):
-    from pipeline.calibration import make_windows, text_windows
+    from pipeline.data.calibration import make_windows, text_windows
 
     tokenizer = byte_tokenizer()
     assert torch.equal(text_windows(tokenizer, [corpus.read_text()], 8, 32, seed=3),

@@ -57,8 +57,8 @@ def test_recover_install_records_adapters_and_keeps_the_package_verifiable():
 
 
 def test_recover_submodel_views_share_the_package_storage():
-    from pipeline.elastic_model import ElasticCausalLM
-    from pipeline.recover import level_submodel
+    from pipeline.elastilm.recover import level_submodel
+    from pipeline.models.elastic import ElasticCausalLM
 
     elastic = ElasticCausalLM.from_package(smollm2_elastic_package())
     layer = elastic.hf.model.layers[3]
@@ -75,7 +75,7 @@ def test_recover_submodel_views_share_the_package_storage():
 def test_recover_rejects_bad_settings():
     from pydantic import ValidationError
 
-    from pipeline.recover import RecoverSettings
+    from pipeline.elastilm.recover import RecoverSettings
 
     with pytest.raises(ValidationError, match="backend"):
         RecoverSettings(level="0.5", backend="horovod")
@@ -86,7 +86,7 @@ def test_recover_rejects_bad_settings():
 def test_padded_batches_cycle_one_seeded_order_and_pad_labels_out_of_the_loss():
     from types import SimpleNamespace
 
-    from pipeline.recover import IGNORE, padded_batches
+    from pipeline.elastilm.recover import IGNORE, padded_batches
 
     examples = [([i] * (i + 1), [IGNORE] + [i] * i) for i in range(5)]  # example i: i + 1 tokens
     tokenizer = SimpleNamespace(pad_token_id=None)  # no pad token: 0 pads

@@ -1,4 +1,4 @@
-"""Recovery windows drawn per kind of corpus text in set proportions (pipeline.calibration.mixed_windows)."""
+"""Recovery windows drawn per kind of corpus text in set proportions (pipeline.data.calibration.mixed_windows)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.calibration import CalibrationError, mixed_windows
-from pipeline.corpus import CorpusError, corpus_kind
+from pipeline.data.calibration import CalibrationError, mixed_windows
+from pipeline.data.recovery_text import CorpusError, corpus_kind
 from pipeline.settings import RecoverSettings
 from tests.tiny import byte_tokenizer
 
@@ -82,7 +82,7 @@ def test_the_token_stream_is_made_once_per_tokenizer_and_text():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.calibration import token_stream
+    from pipeline.data.calibration import token_stream
 
     text = "the recovery corpus, " * 50
     first = token_stream(byte_tokenizer(), text)

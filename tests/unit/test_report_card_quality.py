@@ -11,8 +11,8 @@ import pytest
 
 from device_sdk.format import read_manifest
 from device_sdk.trust import verify_package
-from pipeline import evaluate
-from pipeline.corpus import HELDOUT_FILE
+from pipeline.data.recovery_text import HELDOUT_FILE
+from pipeline.elastilm import evaluate
 from pipeline.settings import GENERATION_PROMPT_COUNT, ReportCardSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
@@ -101,9 +101,9 @@ def test_report_card_measures_every_level_against_the_full_model(recovered_packa
 
 
 def test_window_predictions_agree_with_the_pipelines_perplexity(recovered_package, calib_text):
-    from pipeline.calibration import make_windows
-    from pipeline.elastic_model import serving_model
-    from pipeline.lm import perplexity
+    from pipeline.data.calibration import make_windows
+    from pipeline.models.elastic import serving_model
+    from pipeline.models.scoring import perplexity
 
     model = serving_model(recovered_package)
     model.set_level("0.5")
@@ -133,9 +133,9 @@ def test_publish_puts_the_verdict_and_the_plot_in_the_signed_package(recovered_p
 
 
 def test_window_nlls_are_each_windows_own_loss_whatever_the_batch(recovered_package, calib_text):
-    from pipeline.calibration import make_windows
-    from pipeline.elastic_model import serving_model
-    from pipeline.lm import nll_sum, window_nlls
+    from pipeline.data.calibration import make_windows
+    from pipeline.models.elastic import serving_model
+    from pipeline.models.scoring import nll_sum, window_nlls
 
     model = serving_model(recovered_package)
     model.set_level("0.5")
@@ -147,7 +147,7 @@ def test_window_nlls_are_each_windows_own_loss_whatever_the_batch(recovered_pack
 
 
 def test_paired_ratio_interval():
-    from pipeline.lm import paired_ratio
+    from pipeline.models.scoring import paired_ratio
 
     same = paired_ratio([2.0, 3.0, 4.0], [2.0, 3.0, 4.0])
     assert same["ratio"] == 1.0 and same["low"] == same["high"] == 1.0

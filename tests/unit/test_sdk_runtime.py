@@ -9,7 +9,7 @@ from device_sdk import kernels
 from device_sdk.elastic import ElasticLinear
 from device_sdk.format import PackageError, read_manifest
 from device_sdk.runtime import ElasticModel
-from pipeline.elastic_model import ElasticCausalLM
+from pipeline.models.elastic import ElasticCausalLM
 from tests.reference import relative_logit_error
 from tests.tiny import TINY_CONFIGS
 from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, signing_key, tiny_package

@@ -16,7 +16,7 @@ LONG_TEXT = " ".join(f"word{i} is followed by another, isn't it?" for i in range
 @pytest.fixture(scope="module")
 def tlm_pair(tmp_path_factory):
     """A fresh MiniLM TLM (random heads, distinct branches) saved, and its SDK twin loaded from disk."""
-    from pipeline.tlm import new_tlm, save_tlm
+    from pipeline.elastilm.tlm import new_tlm, save_tlm
 
     torch.manual_seed(0)
     model, tokenizer = new_tlm(None, ["0.25", "0.5", "1.0"], frozen_layers=3, max_length=64)
@@ -28,7 +28,7 @@ def tlm_pair(tmp_path_factory):
 
 
 def test_sdk_word_scores_match_the_pipeline(tlm_pair):
-    from pipeline.tlm import word_scores
+    from pipeline.elastilm.tlm import word_scores
 
     model, tokenizer, sdk = tlm_pair
     for text in ("Which gas do plants take in from the air?", LONG_TEXT):
@@ -38,7 +38,7 @@ def test_sdk_word_scores_match_the_pipeline(tlm_pair):
 
 
 def test_sdk_decision_matches_the_pipeline(tlm_pair):
-    from pipeline.tlm import decide, decision_log_probs
+    from pipeline.elastilm.tlm import decide, decision_log_probs
 
     model, tokenizer, sdk = tlm_pair
     for prompt, ttft, tpot in (("What is the capital of France?", 0.6, 0.8), (LONG_TEXT, 0.23, 0.5)):
@@ -57,7 +57,7 @@ def test_long_prompts_keep_the_slo_tokens_and_their_end(tlm_pair):
     """A few-shot block fills the decision window, so the cut drops the middle: two prompts that share
     a long block but end in different questions must look different to the head (pipeline and SDK)."""
     from device_sdk.tlm import head_and_tail
-    from pipeline.tlm import decision_log_probs
+    from pipeline.elastilm.tlm import decision_log_probs
 
     assert head_and_tail(list(range(10)), 3, 6) == [0, 1, 2, 7, 8, 9]
     assert head_and_tail(list(range(5)), 3, 6) == [0, 1, 2, 3, 4]
@@ -77,7 +77,7 @@ def test_a_prompt_longer_than_the_window_is_cut_without_a_tokenizer_warning(tlm_
     """The trace's passages run past MiniLM's 512 tokens; the cut is deliberate, so HF must not warn."""
     import copy
 
-    from pipeline.tlm import _decision_ids
+    from pipeline.elastilm.tlm import _decision_ids
 
     model, tokenizer, _ = tlm_pair
     tokenizer = copy.deepcopy(tokenizer)
@@ -95,7 +95,7 @@ def test_missing_tlm_files_are_a_clear_error(tmp_path):
 
 def _package_with_tlm(tmp_path, favourite_level: str, favourite_ratio: float):
     """A tiny signed package whose TLM always prefers (favourite_ratio, favourite_level)."""
-    from pipeline.tlm import install_tlm, new_tlm, save_tlm
+    from pipeline.elastilm.tlm import install_tlm, new_tlm, save_tlm
     from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
 
     key = signing_key()

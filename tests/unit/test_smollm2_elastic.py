@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.calibration import make_windows
-from pipeline.elastify import ElastifySettings
-from pipeline.lm import perplexity
-from pipeline.profile import ProfileSettings, profile
+from pipeline.data.calibration import make_windows
+from pipeline.elastilm.elastify import ElastifySettings
+from pipeline.elastilm.profile import ProfileSettings, profile
+from pipeline.models.scoring import perplexity
 from pipeline.stage import quiet_context
 from tests.reference import elastic_in_memory, relative_logit_error, sliced_dense_copy
 

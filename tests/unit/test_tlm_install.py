@@ -8,7 +8,7 @@ from device_sdk.trust import verify_package
 
 
 def test_tlm_install_into_package_and_load_back(tmp_path):
-    from pipeline.tlm import install_tlm, load_tlm, new_tlm, save_tlm, slo_embedding_rows
+    from pipeline.elastilm.tlm import install_tlm, load_tlm, new_tlm, save_tlm, slo_embedding_rows
     from tests.tiny import byte_tokenizer, tiny_model
     from tests.unit.sdk_packages import build_package, signing_key
 

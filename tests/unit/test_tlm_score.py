@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def test_tlm_compress_keeps_half_the_words_and_forced_tokens():
-    from pipeline.tlm import compress, load_tlm, words_of
+    from pipeline.elastilm.tlm import compress, load_tlm, words_of
 
     tlm, tokenizer = load_tlm(score_tlm_dir())
     result = compress(tlm, tokenizer, TEXT, 0.5, force_tokens=["?", "ATP."])
@@ -34,7 +34,7 @@ def test_tlm_compress_keeps_half_the_words_and_forced_tokens():
 
 
 def test_tlm_compress_by_scores_keeps_the_highest_scores_in_order():
-    from pipeline.tlm import compress_by_scores
+    from pipeline.elastilm.tlm import compress_by_scores
 
     result = compress_by_scores("a b c d e f", [0.1, 0.9, 0.2, 0.8, 0.3, 0.7], 0.5)
     assert result.text == "b d f" and result.rate == 0.5
@@ -43,7 +43,7 @@ def test_tlm_compress_by_scores_keeps_the_highest_scores_in_order():
 
 
 def test_tlm_align_compressed_labels_words_in_order():
-    from pipeline.tlm import align_compressed
+    from pipeline.elastilm.tlm import align_compressed
 
     assert align_compressed("the cat sat on the mat", "cat the mat") == [0, 1, 0, 0, 1, 1]
 
@@ -58,9 +58,10 @@ def test_tlm_score_head_beats_random_dropping_on_held_out_items():
 
     from transformers import AutoTokenizer
 
-    from pipeline.elastic_model import serving_model
-    from pipeline.label import choice_scores, load_items
-    from pipeline.tlm import compress, load_tlm
+    from pipeline.data.tasks import load_items
+    from pipeline.elastilm.label import choice_scores
+    from pipeline.elastilm.tlm import compress, load_tlm
+    from pipeline.models.elastic import serving_model
 
     package = smollm2_elastic_package()
     model = serving_model(package)  # labelling scores with the device SDK's model
@@ -95,7 +96,7 @@ def test_tlm_score_head_beats_random_dropping_on_held_out_items():
 
 
 def test_tlm_rejects_a_bad_rate():
-    from pipeline.tlm import TLMError, compress_by_scores
+    from pipeline.elastilm.tlm import TLMError, compress_by_scores
 
     with pytest.raises(TLMError, match="rate"):
         compress_by_scores("a b", [0.1, 0.2], 0.0)

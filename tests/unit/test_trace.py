@@ -9,9 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from device_sdk.format import Level, LevelShape
-from device_sdk.latency import SLO, LatencyProfile, LevelLatency, TLMLatency, choose_level, predicted_ttft_ms
-from pipeline.trace import (
+from bench.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
     cell_cost_ms,
@@ -29,6 +27,8 @@ from pipeline.trace import (
     slo_token_choice,
     utility_choice,
 )
+from device_sdk.format import Level, LevelShape
+from device_sdk.latency import SLO, LatencyProfile, LevelLatency, TLMLatency, choose_level, predicted_ttft_ms
 
 RATIOS = [0.5, 0.7, 1.0]
 LEVELS = ["0.25", "0.5", "0.75", "1.0"]
@@ -303,7 +303,7 @@ def test_the_trained_utility_head_beats_random_feasible_on_a_fixed_labelled_set(
     head, trained on 16 items, must pick the right kind of cell on 16 new ones under SLO masks, above
     random feasible's exact expectation: a head that ignored the prompt would tie or lose."""
     from device_sdk.tlm import TLM
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
     from pipeline.stage import quiet_context
 
     levels = ["0.25", "0.5", "1.0"]

@@ -12,7 +12,7 @@ from device_sdk.format import MANIFEST, Manifest, read_manifest
 from device_sdk.latency import SLO, choose_level, usable_levels
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import best_feasible_pair, tlm_decider
-from pipeline.evaluate import apply_quality
+from pipeline.elastilm.evaluate import apply_quality
 from tests.unit.sdk_packages import fixed_profile_model
 
 

@@ -24,7 +24,7 @@ PROMPTS = ["Question: Which gas do plants take in from the air?\nAnswer:",
 
 
 def test_margin_is_gold_minus_the_best_wrong_choice():
-    from pipeline.label import choice_margins
+    from pipeline.elastilm.label import choice_margins
 
     scores = torch.tensor([[-1.0, -2.0, -0.5, -3.0],  # gold 2 leads the best wrong (0) by 0.5
                            [-1.0, -0.9, -1.2, -3.0]])  # gold 2 trails the best wrong (1) by 0.3
@@ -34,8 +34,8 @@ def test_margin_is_gold_minus_the_best_wrong_choice():
 
 
 def test_cell_labels_carry_margins_and_targets_soften_lucky_answers():
-    from pipeline.label import cell_labels
-    from pipeline.tlm import utility_targets
+    from pipeline.elastilm.slo_labels import cell_labels
+    from pipeline.elastilm.tlm import utility_targets
 
     meta = {"items": [{"id": "a", "prompt": "A?"}]}
     correct = torch.tensor([[[True, False]]])
@@ -54,7 +54,7 @@ def test_cell_labels_carry_margins_and_targets_soften_lucky_answers():
 @pytest.fixture(scope="module")
 def utility_pair(tmp_path_factory):
     """A MiniLM TLM with a utility head (random, branches perturbed) saved, and its SDK twin."""
-    from pipeline.tlm import new_tlm, save_tlm
+    from pipeline.elastilm.tlm import new_tlm, save_tlm
 
     torch.manual_seed(0)
     model, tokenizer = new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
@@ -67,7 +67,7 @@ def utility_pair(tmp_path_factory):
 
 
 def test_sdk_utility_matches_the_pipeline_within_1e_5(utility_pair):
-    from pipeline.tlm import utility
+    from pipeline.elastilm.tlm import utility
 
     model, tokenizer, out = utility_pair
     sdk = TLM.load(out)
@@ -80,7 +80,7 @@ def test_sdk_utility_matches_the_pipeline_within_1e_5(utility_pair):
 
 
 def test_a_package_without_the_field_reads_as_the_slo_token_head(tmp_path):
-    from pipeline.tlm import load_tlm, new_tlm, save_tlm
+    from pipeline.elastilm.tlm import load_tlm, new_tlm, save_tlm
 
     model, tokenizer = new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     out = save_tlm(model, tokenizer, tmp_path / "tlm")
@@ -98,7 +98,7 @@ def test_a_package_without_the_field_reads_as_the_slo_token_head(tmp_path):
 def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, monkeypatch):
     """The stage trains on cached trunk features: the trunk runs once per prompt, the score branch and
     trunk stay bit-identical, and the head ranks held-in cells as the labels do."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
     from pipeline.stage import quiet_context
 
     base, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
@@ -148,7 +148,7 @@ def test_utility_head_learns_cell_targets_over_cached_trunk_features(tmp_path, m
 def test_a_prior_initialised_head_starts_at_each_cells_base_rate_and_keeps_its_order(tmp_path):
     """At the prior every prompt reads each cell's held-in mean target; after the demo's small lr the
     order of the base rates still holds on an unseen prompt, where a random start ranks cells by noise."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
 
     model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     ratios = [0.5, 1.0]
@@ -183,7 +183,7 @@ def test_held_in_validation_keeps_the_best_read_weights_and_a_fit_only_where_the
     """Training that ruins the head (an absurd lr) is not kept: the head comes back exactly at its
     prior. Labels the prompt explains (hard questions are wrong at the small level): training goes
     on, and the head tells the two kinds apart on prompts it never saw."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
 
     model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     ratios = [1.0]
@@ -212,7 +212,7 @@ def test_held_in_validation_keeps_the_best_read_weights_and_a_fit_only_where_the
 def test_the_frozen_trunk_runs_without_dropout_while_the_branches_train():
     """In training mode the trunk gives the same states twice (as served, and as the utility head's
     cache holds them); the trained decision branch still has its dropout."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
 
     model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     ids = torch.tensor([tokenizer(PROMPTS[0])["input_ids"]])
@@ -230,7 +230,7 @@ def test_the_frozen_trunk_runs_without_dropout_while_the_branches_train():
 def test_each_tlm_head_trains_in_the_precision_its_setting_names_and_keeps_fp32_weights(precision):
     """bf16 autocast (the setting's "auto" on a CPU with native bf16, as recovery) for the score head,
     ElastiLM's SLO-token head and the utility head; the weights saved and served stay fp32."""
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
 
     model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     seen: list[torch.dtype] = []
@@ -253,7 +253,7 @@ def test_each_tlm_head_trains_in_the_precision_its_setting_names_and_keeps_fp32_
 
 
 def test_a_head_kept_at_its_prior_is_served_without_running_the_encoder(tmp_path, utility_pair, monkeypatch):
-    from pipeline import tlm
+    from pipeline.elastilm import tlm
 
     model, tokenizer = tlm.new_tlm(None, LEVELS, frozen_layers=3, max_length=64)
     model.use_utility_head([0.5, 1.0], LEVELS)
@@ -448,7 +448,7 @@ def test_profile_keeps_the_tlm_time_through_json(tmp_path):
 
 
 def _package_with_utility_tlm(tmp_path, favourite: tuple[float, str]):
-    from pipeline.tlm import install_tlm, new_tlm, save_tlm
+    from pipeline.elastilm.tlm import install_tlm, new_tlm, save_tlm
     from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
 
     key = signing_key()

@@ -1,0 +1,1 @@
+"""The CLONE stages: collect, search, experts."""

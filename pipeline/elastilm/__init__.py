@@ -1,0 +1,1 @@
+"""The ElastiLM stages: profile, elastify, recover, latency, tlm, label, corpus, evaluate, export."""
