@@ -105,6 +105,7 @@ class Settings:
         the installed asset packages (the SmolLM2 GGUF, MiniLM, the evaluation data)."""
         if self.source_roots:
             return tuple(Path(root) for root in self.source_roots.split(os.pathsep) if root)
+        # lazy: planning a spec imports no pipeline module past the contract
         from pipeline.assets import ASSET_PACKAGES, AssetError, elastify_home, package_dir
 
         roots = [self.home / "models", elastify_home() / "models"]

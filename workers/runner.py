@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.contract import StageRun, StageSettings
+from pipeline.settings import names_a_corpus
 from pipeline.stage import StageContext
 from workers.store import ArtifactRef, StoreConfig, StoreError
 
@@ -130,7 +131,6 @@ def _check_setting_paths(task: StageTask) -> None:
     corpus names are no paths; the path checks at submit are in cluster.sources)."""
     if not task.source_roots:
         return
-    from pipeline.settings import names_a_corpus
 
     for setting, value, corpus in task.settings.named_path_fields():
         if value in task.uploads or (corpus and names_a_corpus(value)):

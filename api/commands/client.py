@@ -19,7 +19,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from api.progress import console, fail, progress_bars
+from device_sdk.cli import download_bar
 from device_sdk.client import DEFAULT_SERVER, ElastifyAPIError, ElastifyClient
+from device_sdk.format import PackageError
+from device_sdk.registry import pull, read_local_state
+from device_sdk.trust import TrustStore
 
 out = Console(highlight=False)  # stdout: what scripts read
 
@@ -288,11 +292,6 @@ def packages_pull(
     token: Token = None,
 ) -> None:
     """Download a package through the API, verify every byte and the signature, and install it."""
-    from device_sdk.cli import download_bar
-    from device_sdk.format import PackageError
-    from device_sdk.registry import pull, read_local_state
-    from device_sdk.trust import TrustStore
-
     with connected(server, token) as client:
         try:
             pinned = TrustStore().pinned(name)  # a pinned key is pull's default

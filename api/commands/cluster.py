@@ -18,6 +18,7 @@ log = logging.getLogger("elastify")
 
 
 def _sessions(settings):
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.db import make_engine, migrate, session_factory
 
     migrate(settings.database_url)
@@ -32,6 +33,7 @@ def up(
 
     The same command runs production with ELASTIFY_DATABASE_URL / ELASTIFY_RAY_ADDRESS / ELASTIFY_STORE_URL.
     """
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     import contextlib
 
     import ray
@@ -75,6 +77,7 @@ def build_submit(
     idempotency_key: str | None = typer.Option(None),
 ) -> None:
     """Validate a spec and queue the build; a running `elastify up` picks it up."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from api.app import default_registry
     from cluster.service import submit_build
     from cluster.settings import Settings
@@ -96,6 +99,7 @@ def build_submit(
 @build_app.command("status")
 def build_status(build_id: str) -> None:
     """Print a build's stages, attempts and package as JSON."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.service import build_summary
     from cluster.settings import Settings
 
@@ -108,6 +112,7 @@ def build_status(build_id: str) -> None:
 @build_app.command("cancel")
 def build_cancel(build_id: str) -> None:
     """Cancel a build: queued stages stop at once, running Ray tasks are cancelled by the scheduler."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.service import cancel_build
     from cluster.settings import Settings
 
@@ -119,6 +124,7 @@ def build_cancel(build_id: str) -> None:
 
 def usage(by: str = typer.Option("build", help="build, stage_type, tenant or day")) -> None:
     """Wall, CPU and GPU seconds of every attempt (failed ones too), rolled up."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.ledger import usage as rollup
     from cluster.settings import Settings
 
@@ -151,6 +157,7 @@ def mount(app: typer.Typer) -> None:
 
 
 def demo_spec(model_dir: Path) -> dict:
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.fingerprint import pipeline_version
 
     # The version carries the pipeline's code digest: same code, same (cached) package; new code, new version.
@@ -190,6 +197,7 @@ def demo_spec(model_dir: Path) -> dict:
 
 def _follow(scheduler, build_id: str, on_progress):
     """An `until` callback for the scheduler loop that streams the build's events to the console."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from sqlalchemy import select
 
     from cluster.models import Event, Stage
@@ -222,6 +230,7 @@ def cancel_stale_demos(sessions, current_key: str) -> list[str]:
     """Cancel unfinished demo builds other than `current_key`'s. A demo's key carries the
     pipeline's code digest, so another key is an interrupted demo of other code, and the embedded
     scheduler would otherwise finish its stages before starting this one's."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from sqlalchemy import select
 
     from cluster.models import Build
@@ -240,6 +249,7 @@ def cancel_stale_demos(sessions, current_key: str) -> list[str]:
 
 def embedded_demo() -> None:
     """Build SmolLM2-135M end to end in embedded mode and print the package path and stage times."""
+    # lazy: torch and the pipeline load only when this command runs (api imports without torch)
     from api.app import default_registry
     from cluster.embedded import running_service
     from cluster.packages import package_prefix
@@ -273,6 +283,7 @@ def embedded_demo() -> None:
     console.print(f"build {build_id} took {time.perf_counter() - started:.1f} s ({summary['cache_hits']} stages from cache)")
     local = store.local_path(prefix)
     if local is not None:  # an S3 store: `elastify-device pull` it first
+        # lazy: torch and the pipeline load only when this command runs (api imports without torch)
         from device_sdk.runtime import ElasticModel
 
         model = ElasticModel.load(Path(local), public_key=settings.public_key_b64())
@@ -324,6 +335,7 @@ def slo_servings(model, requests=DEMO_REQUESTS, slos=DEMO_SLOS, max_new_tokens: 
     """Each (prompt, kept end) served under each SLO as the device SDK decides it: the chosen prompt ratio
     and level, whether the device's profile predicted any usable cell to meet the SLO, the measured TTFT
     and TPOT against their targets, and the text."""
+    # lazy: torch and the pipeline load only when this command runs (api imports without torch)
     from device_sdk.latency import SLO
 
     rows = []

@@ -13,6 +13,7 @@ tenants_app = typer.Typer(no_args_is_help=True, help="Tenants and their quotas."
 
 
 def _sessions():
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.db import make_engine, migrate, session_factory
     from cluster.settings import Settings
 
@@ -22,6 +23,7 @@ def _sessions():
 
 
 def _check_tenant(tenant: str) -> None:
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     import re
 
     from cluster.spec import NAME_PATTERN
@@ -37,6 +39,7 @@ def tokens_create(
     name: str = typer.Option("", help="a label to recognise the token by"),
 ) -> None:
     """Issue a bearer token; it is printed once on stdout and only its sha256 is kept."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from api.auth import create_token
 
     _check_tenant(tenant)
@@ -48,6 +51,7 @@ def tokens_create(
 @tokens_app.command("list")
 def tokens_list(tenant: str | None = typer.Option(None, help="only this tenant's tokens")) -> None:
     """Every token's id, tenant, label, role and dates (never the token: only its hash is kept)."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from sqlalchemy import select
 
     from cluster.models import ApiToken
@@ -68,6 +72,7 @@ def tokens_list(tenant: str | None = typer.Option(None, help="only this tenant's
 @tokens_app.command("revoke")
 def tokens_revoke(token_id: int = typer.Argument(..., help="the id `tokens list` shows")) -> None:
     """Revoke a token: from now on it gets 401."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.models import ApiToken, utcnow
 
     with _sessions().begin() as session:
@@ -87,6 +92,7 @@ def tenants_set_quota(
     clear: bool = typer.Option(False, "--clear", help="remove both limits (then apply any given)"),
 ) -> None:
     """Set a tenant's quotas; submissions over them get 429 and nothing is queued."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from cluster.service import set_quota
 
     _check_tenant(tenant)
@@ -101,6 +107,7 @@ def tenants_set_quota(
 @tenants_app.command("show")
 def tenants_show() -> None:
     """Every tenant with its quotas and this month's GPU-hours."""
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     from sqlalchemy import select
 
     from cluster.models import Tenant
@@ -129,6 +136,7 @@ def serve(
 
     Settings come from the environment (ELASTIFY_DATABASE_URL, ELASTIFY_STORE_URL, …), as for `up`.
     """
+    # lazy: the CLI starts without the control plane; a command loads it when it runs
     import uvicorn
 
     from api.lifecycle import StopRequest
