@@ -22,7 +22,9 @@ from pipeline.settings import names_a_corpus
 from pipeline.stage import StageContext
 from workers.store import ArtifactRef, StoreConfig, StoreError
 
-# Errors that retrying cannot fix: bad settings, a missing or unsupported model, tampered data.
+# Errors that retrying cannot fix: bad settings, a missing or unsupported model, tampered data. ValueError
+# covers every pipeline.errors.PipelineError (the convention is in its docstring and in docs/design.md,
+# 'Errors: permanent and retried'); anything else is retried.
 PERMANENT_ERRORS = (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError, ImportError,
                     PermissionError)
 PROGRESS_EVERY_S = 1.0

@@ -31,13 +31,14 @@ from device_sdk.latency import EnergyProfile
 from pipeline.data.calibration import make_windows
 from pipeline.elastilm.elastify import layer_widths
 from pipeline.elastilm.latency import RequestCost, host_constants, request_cost, widths_cost
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import serving_model
 from pipeline.models.scoring import perplexity
 from pipeline.settings import CollectSettings, ElastifySettings
 from pipeline.stage import StageContext
 
 
-class CloneError(ValueError):
+class CloneError(PipelineError):
     """CLONE settings, budgets or inputs that cannot produce profiles."""
 
 

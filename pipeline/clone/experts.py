@@ -36,6 +36,7 @@ from pipeline.elastilm.recover import (
     train_torch,
     unit_major_adapter,
 )
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import ElasticCausalLM
 from pipeline.settings import ExpertSettings
 from pipeline.stage import StageContext
@@ -44,7 +45,7 @@ ENCODER_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 PACKAGE_ENCODER = "experts/encoder"
 
 
-class ExpertsError(ValueError):
+class ExpertsError(PipelineError):
     """Expert settings or data that cannot train or route experts."""
 
 

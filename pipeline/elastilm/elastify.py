@@ -21,6 +21,7 @@ import torch
 from device_sdk.format import Architecture, Elastic, ElasticTensor, LevelShape, parse_levels
 from device_sdk.package import write_package
 from pipeline.elastilm.profile import Importance
+from pipeline.errors import PipelineError
 from pipeline.models.loading import load_model
 from pipeline.settings import ElastifySettings
 from pipeline.stage import StageContext
@@ -35,7 +36,7 @@ TOKENIZER_FILES = (
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class ElastifyError(ValueError):
+class ElastifyError(PipelineError):
     """Settings that cannot produce a valid elastic package."""
 
 

@@ -29,6 +29,7 @@ from pipeline.data.recovery_text import load_heldout_texts
 from pipeline.data.tasks import load_items
 from pipeline.elastilm.label import answer_correct
 from pipeline.elastilm.latency import measure_level_points, profile_from_dict, profile_from_manifest
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import serving_model
 from pipeline.models.scoring import LOGIT_CHUNK, perplexity
 from pipeline.settings import ReportCardSettings
@@ -141,7 +142,7 @@ def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str,
 # --------------------------------------------------------------------------- stage `evaluate`: the report card and the gate
 
 
-class PublishGateError(ValueError):
+class PublishGateError(PipelineError):
     """A level's quality beats a wider level's by more than the noise band: do not publish.
 
     A ValueError so that workers treat it as permanent: the same inputs fail the same way.

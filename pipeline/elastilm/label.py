@@ -27,12 +27,13 @@ from device_sdk.llama import KVCache
 from device_sdk.runtime import ElasticModel
 from pipeline.data.tasks import MCItem, few_shot_block, full_prompt, load_items
 from pipeline.elastilm.tlm import compress, load_tlm
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import serving_model
 from pipeline.settings import LabelSettings
 from pipeline.stage import StageContext
 
 
-class LabelError(ValueError):
+class LabelError(PipelineError):
     """Unknown tasks, empty shards, or inputs that do not fit together."""
 
 

@@ -39,12 +39,13 @@ from device_sdk.latency import (  # noqa: F401 (EnergyProfile, LevelLatency, fea
 from device_sdk.measure import measure_points
 from device_sdk.runtime import ElasticModel
 from pipeline.elastilm.elastify import active_params
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import serving_model
 from pipeline.settings import LatencySettings
 from pipeline.stage import StageContext
 
 
-class LatencyError(ValueError):
+class LatencyError(PipelineError):
     """Settings or measurements the cost model cannot use."""
 
 

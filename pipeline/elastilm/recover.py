@@ -45,6 +45,7 @@ from pipeline.contract import StageSettings
 from pipeline.data.calibration import make_windows, mixed_windows
 from pipeline.data.recovery_text import load_recovery_kinds
 from pipeline.elastilm.evaluate import repeated_ngram_starts
+from pipeline.errors import PipelineError
 from pipeline.models.elastic import ATTN_PROJ, MLP_PROJ, ElasticCausalLM
 from pipeline.models.precision import autocast, training_dtype
 from pipeline.models.scoring import LOGIT_CHUNK
@@ -59,7 +60,7 @@ ALPACA_PROMPT = (
 )
 
 
-class RecoverError(ValueError):
+class RecoverError(PipelineError):
     """Recovery settings or data that cannot train a level's LoRA."""
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from device_sdk.format import Architecture
+from pipeline.errors import PipelineError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -32,7 +33,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(PipelineError):
     """The source model is missing, unreadable or not a supported architecture."""
 
 
