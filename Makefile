@@ -48,7 +48,7 @@ demo: assets
 	$(ELASTIFY) demo
 
 bench: assets
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 # docs/results/ and the README's headline table, rendered from the committed JSON (stdlib only).
 results:

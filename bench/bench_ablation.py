@@ -1,28 +1,28 @@
 """Quality of the elastic sub-models on SmolLM2: Taylor order + anchors against the ablations.
 
-    .venv/bin/python bench/bench_ablation.py [--eval-windows 16] [--levels 0.3,0.5,0.7,0.9,1.0]
+    .venv/bin/python -m bench.bench_ablation [--eval-windows 16] [--levels 0.3,0.5,0.7,0.9,1.0]
 
 Every configuration shares one importance profile (PTB train) and is scored by perplexity
 on held-out PTB test windows, without LoRA recovery. Level m targets m of the elastic
-parameters in every configuration, so rows compare equal budgets.
+parameters in every configuration, so rows compare equal budgets. Raw JSON: bench/results/ablation.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 
-from common import print_table
-
+from bench.common import print_table, write_results
 from device_sdk.format import parse_levels
 from pipeline.assets import prepare_smollm2
-from pipeline.calibration import make_windows
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.elastify import ElastifySettings, build_elastic
-from pipeline.lm import perplexity
-from pipeline.models import load_model
-from pipeline.profile import ProfileSettings, profile
+from pipeline.data.calibration import make_windows
+from pipeline.elastilm.elastify import ElastifySettings, build_elastic
+from pipeline.elastilm.profile import ProfileSettings, profile
+from pipeline.models.elastic import ElasticCausalLM
+from pipeline.models.loading import load_model
+from pipeline.models.scoring import perplexity
 from pipeline.stage import StageContext
 
 
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=16)
     parser.add_argument("--eval-length", type=int, default=256)
     args = parser.parse_args()
+    load_before = os.getloadavg()
     levels = [level.ratio for level in parse_levels(args.levels.split(","))]
     loaded = load_model(prepare_smollm2())
     arch = loaded.architecture
@@ -67,6 +68,10 @@ def main() -> None:
         ["level", "active fraction (ours)", *names],
         rows,
     )
+    write_results("ablation", args, [
+        {"config": name, "level": level, "active_fraction": fractions[name][level], "perplexity": table[name][level]}
+        for name in names for level in table[name]
+    ], load_before, profile_seconds=profile_seconds, anchor_layers=anchors)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ lost, none duplicated, replays of an Idempotency-Key answer the first build); pr
 request type, and as the baseline the p50 of the same mix from one client in the same run (no
 queueing). GET /healthz (no database) is mixed in as a floor.
 
-    .venv/bin/python bench/bench_api_load.py [--clients 50] [--requests 500] [--tenants 5] [--workers 1,2]
+    .venv/bin/python -m bench.bench_api_load [--clients 50] [--requests 500] [--tenants 5] [--workers 1,2]
 
 The scheduler does not run: builds stay queued, which is the heaviest case for listing.
+Raw JSON: bench/results/api_load.json.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import random
 import statistics
 import sys
@@ -24,23 +26,18 @@ import uuid
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import httpx
+from sqlalchemy import delete, func, select
 
-import httpx  # noqa: E402
-from sqlalchemy import delete, func, select  # noqa: E402
-
-from bench.common import console, print_table  # noqa: E402
-from cluster.models import Build, Event, Stage, StageInput  # noqa: E402
-from tests.integration import services  # noqa: E402
+from bench.common import ROOT, console, print_table, write_results
+from cluster.models import Build, Event, Stage, StageInput
+from tests.integration import services
 
 MIX = {"submit": 0.25, "replay": 0.05, "list": 0.25, "get": 0.25, "usage": 0.20}
 
 
 def bench_app():
     """The app each uvicorn worker builds: settings from BENCH_* variables, the cheap test registry."""
-    import os
-
     from api.app import create_app
     from cluster.settings import Settings
     from tests.integration.control_plane import chain_registry
@@ -53,13 +50,11 @@ def bench_app():
 
 def serve(database_url: str, home: str, port: int, workers: int) -> None:
     """The API server: uvicorn with `workers` processes, as `elastify serve --workers` runs it."""
-    import os
-
     import uvicorn
 
     os.environ.update(BENCH_API_HOME=home, BENCH_API_DATABASE_URL=database_url,
-                      PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "bench")]))
-    uvicorn.run("bench_api_load:bench_app", factory=True, host="127.0.0.1", port=port, workers=workers,
+                      PYTHONPATH=str(ROOT))
+    uvicorn.run("bench.bench_api_load:bench_app", factory=True, host="127.0.0.1", port=port, workers=workers,
                 log_level="warning", access_log=False)
 
 
@@ -184,7 +179,8 @@ def main() -> int:
     from api.auth import create_token
     from cluster.db import make_engine, migrate, session_factory
 
-    runs, ok = {}, True
+    load_before = os.getloadavg()
+    runs, ok, checks = {}, True, {}
     with services.postgres() as server, tempfile.TemporaryDirectory(prefix="bench-api-") as home:
         database_url = services.create_database(server, "bench_api")
         migrate(database_url)
@@ -199,6 +195,8 @@ def main() -> int:
             console.print(f"{workers} worker(s): statuses {dict(sorted(statuses.items()))}; 5xx: {server_errors}; "
                           f"accepted submissions {keys}, builds in the database {builds}, lost or duplicated: {problems}")
             ok &= server_errors == 0 and problems == 0 and keys == builds
+            checks[workers] = {"statuses": dict(sorted(statuses.items())), "server_errors": server_errors,
+                               "accepted_submissions": keys, "builds": builds, "lost_or_duplicated": problems}
             runs[workers] = (by_kind(alone), by_kind(results), wall, len(results))
             clear_builds(sessions)
 
@@ -207,14 +205,16 @@ def main() -> int:
     columns = ["request", "n", "1 client p50 ms"]
     for workers in worker_counts:
         columns += [f"{workers}w p50 ms", f"{workers}w p99 ms"]
-    rows = []
+    rows, raw = [], []
     for kind in ["healthz", *MIX]:
         if not single[kind] or not runs[first][1][kind]:
             continue
         row = [kind, len(runs[first][1][kind]), f"{statistics.median(single[kind]) * 1e3:.1f}"]
+        raw.append({"request": kind, "n": len(runs[first][1][kind]), "one_client_p50_s": statistics.median(single[kind])})
         for workers in worker_counts:
             p50, p99 = percentiles(runs[workers][1][kind])
             row += [f"{p50 * 1e3:.0f}", f"{p99 * 1e3:.0f}"]
+            raw[-1] |= {f"workers_{workers}_p50_s": p50, f"workers_{workers}_p99_s": p99}
         rows.append(row)
     throughput = {w: (n - len(loaded["healthz"])) / wall for w, (_, loaded, wall, n) in runs.items()}
     rows.append(["requests/s", "", ""] + [cell for w in worker_counts for cell in (f"{throughput[w]:.0f}", "")])
@@ -225,6 +225,8 @@ def main() -> int:
         console.print(f"{last} workers vs {first}: {throughput[last] / throughput[first]:.2f}× requests/s")
     if not ok:
         console.print("[bold red]FAILED[/]: 5xx answers or lost/duplicated builds")
+    write_results("api_load", args, raw, load_before, ok=ok, checks=checks,
+                  requests_per_s={str(w): value for w, value in throughput.items()})
     return 0 if ok else 1
 
 

@@ -1,13 +1,13 @@
 """device_sdk.pull of SmolLM2 through the REST API vs the same files from a plain HTTP bucket.
 
-    .venv/bin/python bench/bench_client_pull.py [--package DIR] [--repeats 3] [--workers 4]
+    .venv/bin/python -m bench.bench_client_pull [--package DIR] [--repeats 3] [--workers 4]
 
 Three registries hold the same signed package: a directory (no HTTP), a static HTTP bucket
 (Starlette StaticFiles under uvicorn: Range, no auth) and the Elastify API (/v1: bearer token,
 tenant-scoped package lookup in SQLite, manifest check, Range from the local store). Both servers
 run in their own processes. Rows: a full pull and a max_level=0.5 pull (many byte ranges),
 seconds (median of interleaved repeats, verification included), MB/s, and the ratio to the
-static bucket measured in the same run.
+static bucket measured in the same run. Raw JSON: bench/results/client_pull.json.
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.common import console, print_table  # noqa: E402
-from device_sdk.registry import pull, read_local_state  # noqa: E402
-from tests.integration import services  # noqa: E402
+from bench.bench_device import bench_package, sign_copy
+from bench.common import console, print_table, write_results
+from device_sdk.registry import pull, read_local_state
+from tests.integration import services
 
 
 def serve_api(home: str, database_url: str, port: int) -> None:
@@ -64,12 +62,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=4, help="parallel range fetches per pull")
     args = parser.parse_args()
-    sys.path.insert(0, str(ROOT / "bench"))
-    from bench_device import bench_package, sign_copy
-
+    # Here, not at the top: the spawned servers import this module, and the static bucket needs none of the API.
     from tests.api_support import make_api
     from tests.unit.live_api import LiveAPI
 
+    load_before = os.getloadavg()
     home = Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))
     package = args.package or bench_package(home)
     with tempfile.TemporaryDirectory(prefix="elastify-pull-bench-") as scratch:
@@ -108,15 +105,18 @@ def main() -> int:
             for server in servers:
                 server.terminate()
                 server.join(10)
-    rows = []
+    rows, raw = [], []
     for name, level in cases:
         median = statistics.median(seconds[(name, level)])
         baseline = statistics.median(seconds[("static HTTP bucket (baseline)", level)])
         rows.append([name, "full" if level is None else f"max_level={level}", f"{sizes[level] / 1e6:.0f} MB",
                      f"{median:.2f}", f"{sizes[level] / 1e6 / median:.0f}", f"{median / baseline:.2f}x"])
+        raw.append({"registry": name, "max_level": level, "bytes": sizes[level], "seconds": seconds[(name, level)],
+                    "median_s": median, "vs_static_bucket": median / baseline})
     print_table(f"pull SmolLM2 (verify included), {args.workers} parallel ranges, median of {args.repeats}",
                 ["registry", "pull", "bytes", "seconds", "MB/s", "vs static bucket"], rows)
     console.print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    write_results("client_pull", args, raw, load_before)
     return 0
 
 

@@ -2,7 +2,7 @@
 and the best collected record, selected on one split and reported on another; collection on 1 vs 2
 Ray workers; expert routing accuracy, and soft vs top-1 vs uniform expert mixing.
 
-    .venv/bin/python bench/bench_clone.py [--samples 96] [--seeds 0 1 2] [--reuse] [--skip-ray]
+    .venv/bin/python -m bench.bench_clone [--samples 96] [--seeds 0 1 2] [--reuse] [--skip-ray]
 
 1. Package: block-influence profile → elastify (levels 0.5/0.75/1.0); the latency stage measures
    this host and its profile goes into the manifest, so every vector is priced by the same model.
@@ -34,11 +34,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from common import print_table
 
+from bench.bench_elastilm import build_package
+from bench.common import RESULTS, print_table, write_json
 from device_sdk.format import read_manifest
-from pipeline.clone_collect import Collector, CollectSettings, bins_to_widths, read_records
-from pipeline.clone_search import SearchSettings, best_feasible, feasible, install_profiles, search
+from pipeline.clone.collect import Collector, CollectSettings, bins_to_widths, read_records
+from pipeline.clone.search import SearchSettings, best_feasible, feasible, install_profiles, search
 from pipeline.stage import StageContext
 
 BUDGETS = [{"name": "fast", "latency": 0.75, "energy": 0.75}, {"name": "frugal", "latency": 0.6, "energy": 0.6}]
@@ -53,9 +54,7 @@ def log_ctx(work: Path) -> StageContext:
 
 
 def prepare(out: Path, reuse: bool, ctx: StageContext) -> Path:
-    from bench_elastilm import build_package
-
-    from pipeline.latency import LatencySettings, apply_latency, build_cost_model
+    from pipeline.elastilm.latency import LatencySettings, apply_latency, build_cost_model
 
     package = out / "package"
     if reuse and (package / "manifest.json").is_file() and read_manifest(package).latency_profile:
@@ -135,7 +134,7 @@ def _timed_collection(workers, package, own, shards, home, run) -> tuple[float, 
 
 
 def collect_in_process(package: Path, own: dict, shards: int, out: Path, ctx: StageContext) -> list[Path]:
-    from pipeline.clone_collect import collect
+    from pipeline.clone.collect import collect
 
     paths = []
     for shard in range(shards):
@@ -151,7 +150,7 @@ def collect_in_process(package: Path, own: dict, shards: int, out: Path, ctx: St
 def uniform_widths(collector: Collector, latency_ms: float, energy_j: float | None) -> tuple[float, list, list]:
     """The widest uniform keep ratio (non-anchor layers; bisection, not quantised to bins) whose
     predicted latency (and energy) are no more: (ratio, KV groups, neurons)."""
-    from pipeline.elastify import ElastifySettings, layer_widths
+    from pipeline.elastilm.elastify import ElastifySettings, layer_widths
 
     manifest = collector.manifest
     arch, anchors = manifest.architecture, set(manifest.elastic.anchor_layers)
@@ -207,7 +206,7 @@ class ReportSplit:
 
     @torch.inference_mode()
     def nlls(self, attn: list[int], mlp: list[int]) -> list[float]:
-        from pipeline.lm import window_nlls
+        from pipeline.models.scoring import window_nlls
 
         key = (tuple(attn), tuple(mlp))
         if key not in self.cache:
@@ -241,7 +240,7 @@ def choice_scores_sdk(model, prompt: str, choices: list[str]) -> torch.Tensor:
 def experts_bench(package: Path, out: Path, steps: int, batch_size: int, per_task: int,
                   ctx: StageContext) -> tuple[dict, dict]:
     from device_sdk.runtime import ElasticModel
-    from pipeline.experts import ExpertSettings, build_experts, expert_name, install_experts, split_task
+    from pipeline.clone.experts import ExpertSettings, build_experts, expert_name, install_experts, split_task
 
     settings = ExpertSettings(steps=steps, batch_size=batch_size, seq_len=128, held_out=32)
     experts_dir = out / "experts"
@@ -311,7 +310,7 @@ def one_seed(seed: int, package: Path, paths: list[Path], collected: list[dict],
     """clone-search and its random control with one seed. Each side's profile is what clone-search
     ships: the lowest selection-split perplexity within the budget among the collected records and
     its own candidates; then all re-scored on the report split."""
-    from pipeline.lm import paired_ratio
+    from pipeline.models.scoring import paired_ratio
 
     started = time.time()
     found = search(package, paths, settings, ctx)
@@ -457,7 +456,7 @@ def main() -> None:
                         help="random search draws only vectors predicted at ≥ this fraction of the budget's latency")
     parser.add_argument("--report-corpus", default="ptb:test", help="the split selected configurations are reported on")
     parser.add_argument("--report-windows", type=int, default=16)
-    parser.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "clone.json")
+    parser.add_argument("--json", type=Path, default=RESULTS / "clone.json")
     parser.add_argument("--expert-steps", type=int, default=40)
     parser.add_argument("--expert-batch", type=int, default=4)
     parser.add_argument("--skip-clone", action="store_true", help="only the experts part")
@@ -490,8 +489,7 @@ def main() -> None:
                     "torch_threads": args.threads, "argv": vars(args)})
     text = json.dumps(summary, indent=1, default=str)
     (args.out / "summary.json").write_text(text)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(text + "\n")
+    write_json(args.json, summary, indent=1)
     print(f"total {summary['seconds']:.0f} s; results in {args.json}", flush=True)
 
 

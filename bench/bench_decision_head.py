@@ -1,7 +1,7 @@
 """Which decision head to ship: ElastiLM's SLO-token head against the utility head, on held-out items.
 
 Given an elastified SmolLM2 package with its level adapters (`--package`; e.g. the one
-bench_elastilm.py builds), this runs the chain's own stage code: latency → tlm-score → label
+bench.bench_elastilm builds), this runs the chain's own stage code: latency → tlm-score → label
 (held-in items 0.., held-out items from 300 on, the same grid) → label-derive → tlm-decision once
 per head and seed, with the demo's decision settings (100 steps, batch 16). Every held-out item ×
 ElastiLM SLO class is then decided by each head exactly as the SDK decides (feasible under the
@@ -17,8 +17,8 @@ With several --train-items (per task, e.g. 20,200) every head is trained on each
 the paired difference larger − smaller per head says what labelling at scale buys; --shots 5 uses the
 label stage's five-shot prompts (bench_trace's tasks, shards and held-out items).
 
-  nice -n 5 .venv/bin/python bench/bench_decision_head.py --package /tmp/bench-elastilm/package --out /tmp/dh
-  nice -n 5 .venv/bin/python bench/bench_decision_head.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out \
+  nice -n 5 .venv/bin/python -m bench.bench_decision_head --package /tmp/bench-elastilm/package --out /tmp/dh
+  nice -n 5 .venv/bin/python -m bench.bench_decision_head --package /tmp/dh-bench/package --out /tmp/dh-bench/out \
       --tasks arc_easy,obqa,piqa,sciq,siqa,boolq --shots 5 --train-items 20,200 --test-items 30 \
       --heads slo_token,utility --slo-token-seeds 1 --results bench/results/decision_head_scale.json
 """
@@ -34,13 +34,13 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, interleaved_medians, print_table
 from transformers import AutoTokenizer
 
+from bench.common import ROOT, interleaved_medians, print_table, write_json
+from bench.trace import TIGHT_CLASSES
 from device_sdk.latency import SLO
 from device_sdk.tlm import best_feasible_pair, best_utility_cell
-from pipeline import label, latency, tlm
-from pipeline.label import SLO_CLASSES
+from pipeline.elastilm import label, latency, slo_labels, tlm
 from pipeline.stage import StageContext
 
 
@@ -107,8 +107,8 @@ def held_in_tag(tasks: list[str], shots: int, per_task: int) -> str:
 
 
 def derive(package: Path, lat: Path, shards: dict, out: Path) -> Path:
-    return cached(out / "labels.json", lambda: label.run_derive({"package": package, "latency": lat, **shards},
-                                                                label.DeriveSettings(), StageContext(work_dir=out))["labels"])
+    return cached(out / "labels.json", lambda: slo_labels.run_derive({"package": package, "latency": lat, **shards},
+                                                                slo_labels.DeriveSettings(), StageContext(work_dir=out))["labels"])
 
 
 def train(score: Path, labels: Path, head: str, seed: int, out: Path, temperature: float,
@@ -207,9 +207,9 @@ def main() -> None:
                            out / f"derive{held_in_tag(tasks, args.shots, size)}")
               for size in sizes}
     keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
-    correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
+    correct, tokens, meta = slo_labels.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
                                                for k in keys])
-    profile = label.load_profile({"latency": lat})
+    profile = slo_labels.load_profile({"latency": lat})
     kept = kept_tokens(package, meta["items"])
     heads = {"slo_token": ("slo_token", args.margin_temperature, "prior"),
              "utility": ("utility", args.margin_temperature, "prior"),
@@ -222,7 +222,7 @@ def main() -> None:
              for size in sizes for name, (head, temperature, init) in heads.items()}
     # per head: [item] accuracy averaged over classes and seeds
     per_item = {name: torch.zeros(len(meta["items"])) for name in heads}
-    per_class = {name: {str(slo): 0.0 for slo in SLO_CLASSES} for name in heads}
+    per_class = {name: {str(slo): 0.0 for slo in TIGHT_CLASSES} for name in heads}
     stage_seconds = {}  # the decision stage's wall time per head (seed 0), at the demo's 100 steps × 16
     seeds = {name: args.slo_token_seeds or args.seeds if head == "slo_token" else args.seeds
              for name, (_, head, _, _, _) in heads.items()}
@@ -238,12 +238,12 @@ def main() -> None:
                 kept_steps.setdefault(name, []).append(
                     json.loads((trained.parent / "tlm-decision.json").read_text())["kept_step"])
             model, tokenizer = tlm.load_tlm(trained)
-            for slo in SLO_CLASSES:
+            for slo in TIGHT_CLASSES:
                 for i, item in enumerate(meta["items"]):
                     r, m = choose(head, model, tokenizer, item["prompt"], int(tokens[i]), slo, meta["ratios"],
                                   meta["levels"], profile, kept[i])
                     hit = float(correct[i, r, m])
-                    per_item[name][i] += hit / (seeds[name] * len(SLO_CLASSES))
+                    per_item[name][i] += hit / (seeds[name] * len(TIGHT_CLASSES))
                     per_class[name][str(slo)] += hit / (seeds[name] * len(meta["items"]))
     # reference rows, no training: random feasible (its expectation), the oracle, and per held-in size the
     # strongest simple policy, the feasible cell with the best held-in accuracy (the same for every prompt)
@@ -253,16 +253,16 @@ def main() -> None:
               for size in sizes}
     for name in ("random feasible", "oracle", *static):
         per_item[name] = torch.zeros(len(meta["items"]))
-        per_class[name] = {str(slo): 0.0 for slo in SLO_CLASSES}
-    for slo in SLO_CLASSES:
+        per_class[name] = {str(slo): 0.0 for slo in TIGHT_CLASSES}
+    for slo in TIGHT_CLASSES:
         for i in range(len(meta["items"])):
-            cells = label.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo, kept[i])
+            cells = slo_labels.feasible_pairs(profile, meta["ratios"], meta["levels"], int(tokens[i]), slo, kept[i])
             hits = [float(correct[i, r, m]) for r, m in cells] or [float(correct[i, 0, 0])]
             picks = {name: float(correct[i][best_cell(base_rates[size], cells, meta["ratios"], meta["levels"],
                                                       profile, int(tokens[i]), kept[i])])
                      for name, size in static.items()}
             for name, value in (("random feasible", statistics.fmean(hits)), ("oracle", max(hits)), *picks.items()):
-                per_item[name][i] += value / len(SLO_CLASSES)
+                per_item[name][i] += value / len(TIGHT_CLASSES)
                 per_class[name][str(slo)] += value / len(meta["items"])
 
     # The same stage at 10 steps, both heads round-robin under the same machine load (the 100-step wall
@@ -285,9 +285,9 @@ def main() -> None:
     for name in per_item:
         mean, se = mean_se(per_item[name].tolist())
         summary[name] = {"accuracy": mean, "se": se, "per_class": per_class[name]}
-        rows.append([name, f"{mean:.3f} ± {se:.3f}", *(f"{per_class[name][str(s)]:.3f}" for s in SLO_CLASSES)])
+        rows.append([name, f"{mean:.3f} ± {se:.3f}", *(f"{per_class[name][str(s)]:.3f}" for s in TIGHT_CLASSES)])
     print_table(f"Held-out accuracy under the SLO classes ({n} items; ± SE over items; seeds {seeds})",
-                ["head", "overall", *map(str, SLO_CLASSES)], rows)
+                ["head", "overall", *map(str, TIGHT_CLASSES)], rows)
     pairs = []  # (row, rival): the utility heads against the SLO-token head and random feasible, per size
     for size in sizes:
         rows = {base: name for name, (base, _, _, _, s) in heads.items() if s == size}
@@ -313,8 +313,7 @@ def main() -> None:
                "decision_stage_seconds": stage_seconds,
                "decision_stage_seconds_10_steps_interleaved": short,
                "grid_accuracy_held_out": correct.float().mean(0).tolist()}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=2))
+    write_json(args.results, results)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Device SDK benchmark on SmolLM2-135M: decode against HF transformers and llama.cpp, fairly.
 
-    .venv/bin/python bench/bench_device.py [--package DIR] [--threads 1 2] [--rounds 3] [--llama-python PY]
+    .venv/bin/python -m bench.bench_device [--package DIR] [--threads 1 2] [--rounds 3] [--llama-python PY]
 
 Contenders: the SDK (fp32, fp16, int8 through `ElasticModel.generate`), HF transformers
 `generate` (fp32) and llama.cpp (llama-cpp-python's `Llama.generate`, from its own venv,
@@ -52,8 +52,9 @@ ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")  # what a process needs 
 
 
 # --------------------------------------------------------------------------- worker side
-# Runs in the contender's own interpreter (llama.cpp's venv included): stdlib imports only at
-# module level; each engine imports its own libraries.
+# Runs in the contender's own interpreter (llama.cpp's venv included), as `python -m bench.bench_device
+# --worker` from the repository root: stdlib imports only at module level; each engine imports its own
+# libraries (bench.llama_kernels is stdlib only).
 
 
 def time_decode(generate, runs: int = TIMED_RUNS) -> dict:
@@ -143,7 +144,8 @@ def llama_cpp_generator(spec: dict):
     end-of-sequence by itself (create_completion does), so every run has NEW_TOKENS tokens."""
     import llama_cpp
     from llama_cpp import Llama
-    from llama_kernels import plain_kernels_where_amx_crashes
+
+    from bench.llama_kernels import plain_kernels_where_amx_crashes
 
     plain = plain_kernels_where_amx_crashes()
     threads = spec["threads"]
@@ -238,7 +240,7 @@ def run_worker(python: str, spec: dict, timeout: float = 600) -> dict:
     before = os.getloadavg()
     started = time.time()
     try:
-        out = subprocess.run([python, str(Path(__file__).resolve()), "--worker", json.dumps(spec)], cwd=ROOT,
+        out = subprocess.run([python, "-m", "bench.bench_device", "--worker", json.dumps(spec)], cwd=ROOT,
                              env=clean_env(spec["engine"]), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         out = None
@@ -353,9 +355,10 @@ def summarise(measurements: list[dict], thread_counts: list[int]) -> dict:
 
 
 def save(result: dict, thread_counts: list[int], out: Path) -> None:
+    from bench.common import write_json  # not at the top: the workers run where rich is not installed
+
     result["summary"] = summarise(result["measurements"], thread_counts)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result, indent=1)
 
 
 def fmt_spread(s: dict, digits: int = 1) -> str:
@@ -363,7 +366,7 @@ def fmt_spread(s: dict, digits: int = 1) -> str:
 
 
 def print_tables(result: dict) -> None:
-    from common import print_table
+    from bench.common import print_table  # not at the top: the workers run where rich is not installed
 
     summary, threads = result["summary"], result["config"]["threads"]
     loads = [m["load_before"][0] for m in result["measurements"]] + [m["load_after"][0] for m in result["measurements"]]

@@ -1,20 +1,22 @@
 """ElasticLinear at width w against a dense nn.Linear of the reduced shape (goal ≤ 1.03×).
 
-    .venv/bin/python bench/bench_elastic_linear.py [--repeats 30] [--threads 1]
+    .venv/bin/python -m bench.bench_elastic_linear [--repeats 30] [--threads 1]
 
 Shapes: SmolLM2's projections (q/k row units, o/down column units, gate row units) and a
 4096×11008 MLP pair. Prefill is 256 tokens, decode 1 token. The dense baseline holds a
 contiguous copy of exactly the active weights, i.e. what a re-materialised sub-model runs.
+Raw JSON: bench/results/elastic_linear.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
-from common import interleaved_medians, print_table
 from torch import nn
 
+from bench.common import interleaved_medians, print_table, write_results
 from device_sdk.elastic import ElasticLinear
 
 # name, unit axis, stored rows (units × unit size), other dim, unit size
@@ -55,7 +57,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads; 1 keeps a shared machine's noise out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
+    load_before = os.getloadavg()
+    rows, raw = [], []
     for name, axis, stored, other, unit in SHAPES:
         for fraction in WIDTHS:
             for phase, tokens in (("prefill 256", 256), ("decode 1", 1)):
@@ -63,11 +66,15 @@ def main() -> None:
                 times = interleaved_medians(cases_for(axis, stored, other, unit, fraction, tokens), repeats)
                 rows.append([name, f"{fraction:.2f}", phase, f"{times['dense'] * 1e6:.0f}",
                              f"{times['elastic'] * 1e6:.0f}", f"{times['elastic'] / times['dense']:.3f}"])
+                raw.append({"shape": name, "width": fraction, "phase": phase, "repeats": repeats,
+                            "dense_s": times["dense"], "elastic_s": times["elastic"],
+                            "elastic_over_dense": times["elastic"] / times["dense"]})
     print_table(
         f"ElasticLinear vs dense nn.Linear of the reduced shape (torch threads: {torch.get_num_threads()})",
         ["shape", "width", "phase", "dense µs", "elastic µs", "elastic / dense"],
         rows,
     )
+    write_results("elastic_linear", args, raw, load_before, torch_threads=torch.get_num_threads())
 
 
 if __name__ == "__main__":

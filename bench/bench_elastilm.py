@@ -20,8 +20,8 @@ two label shards through the real worker path on a Ray head with 1 vs 2 CPUs. Ra
 bench/results/labelling.json. Defaults are the full grids: levels 0.2…1.0 × prompt ratios 0.3…1.0,
 ARC-E, OBQA, PIQA and SciQ.
 
-  .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm
-  .venv/bin/python bench/bench_elastilm.py --out /tmp/bench-elastilm --throughput-only   # labelling speed alone
+  .venv/bin/python -m bench.bench_elastilm --out /tmp/bench-elastilm
+  .venv/bin/python -m bench.bench_elastilm --out /tmp/bench-elastilm --throughput-only   # labelling speed alone
 """
 
 from __future__ import annotations
@@ -38,16 +38,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from common import ROOT, print_table
 
+from bench.common import ROOT, print_table, write_json
+from bench.trace import TIGHT_CLASSES
 from device_sdk.format import Level, parse_levels, read_manifest
 from device_sdk.kernels import make_linear
 from device_sdk.latency import SLO
 from device_sdk.llama import Transformer
 from device_sdk.lora import ATTN_PROJECTIONS, PROJECTIONS, projection_key
 from device_sdk.runtime import ElasticModel
-from pipeline import label, latency, recover, tlm
-from pipeline.label import SLO_CLASSES
+from pipeline.data.tasks import load_items
+from pipeline.elastilm import label, latency, recover, slo_labels, tlm
 from pipeline.stage import StageContext, quiet_context
 
 
@@ -57,9 +58,9 @@ def build_package(out: Path, levels: list[float], ctx: StageContext, calibration
     """SmolLM2 (or the HF directory `model`) profiled (block influence, 8 x 128 tokens of `calibration`,
     default the build's; other ProfileSettings as given) and elastified (the build's ElastifySettings but for those given)."""
     from pipeline.assets import prepare_smollm2
-    from pipeline.elastify import ElastifySettings, elastify
-    from pipeline.models import load_model
-    from pipeline.profile import ProfileSettings, profile
+    from pipeline.elastilm.elastify import ElastifySettings, elastify
+    from pipeline.elastilm.profile import ProfileSettings, profile
+    from pipeline.models.loading import load_model
 
     loaded = load_model(model or prepare_smollm2())
     importance = profile(loaded.model, loaded.tokenizer, loaded.architecture,
@@ -262,18 +263,17 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
 def labelling(package: Path, score: Path, tasks: list[str], ratios: list[float], levels: list[str],
               args, settings: dict) -> dict:
     """The throughput comparison and the Ray 1-vs-2 run; writes the raw JSON to `args.results`, prints a table."""
-    items = [item for task in tasks for item in label.load_items([task], 300, 300 + args.throughput_items)]
+    items = [item for task in tasks for item in load_items([task], 300, 300 + args.throughput_items)]
     load_before = os.getloadavg()
     header = {"settings": settings, "cpus": os.cpu_count(), "threads": args.threads, "loadavg_before": load_before,
               "ratios": ratios, "levels": levels, "items_planned": len(items)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
 
     def write(partial: dict) -> None:
-        args.results.write_text(json.dumps(header | partial | {"complete": False}, indent=2) + "\n")
+        write_json(args.results, header | partial | {"complete": False})
 
     speed = header | throughput(package, score, items, ratios, levels, on_item=write) | {"complete": True}
     speed["loadavg_after"] = os.getloadavg()
-    args.results.write_text(json.dumps(speed, indent=2) + "\n")  # again below with the Ray run, if any
+    write_json(args.results, speed)  # again below with the Ray run, if any
     if not args.no_ray:
         # Throughput only: the first items of each task, the whole grid, two shards.
         ray_settings = {"tasks": tasks, "per_task": args.ray_items, "ratios": ratios}
@@ -282,7 +282,7 @@ def labelling(package: Path, score: Path, tasks: list[str], ratios: list[float],
         two = ray_labelling_seconds(package, score, 2, 2, ray_settings, args.out / "ray")
         speed["ray"] = {"shards": 2, "items": len(tasks) * args.ray_items, "one_worker_s": one, "two_workers_s": two,
                         "speedup": one / two, "loadavg_after_one": load_between, "loadavg_after_two": os.getloadavg()}
-        args.results.write_text(json.dumps(speed, indent=2) + "\n")
+        write_json(args.results, speed)
     paths = speed["paths"]
     rows = [
         ["re-materialise per grid point (copy kept weights + the level's LoRA, no reload)", "rematerialise"],
@@ -384,7 +384,7 @@ def main() -> None:
         return shards
 
     train_shards = stage("label train", lambda: sweep("label-train", 0, args.train_items))
-    labels_path = label.run_derive({"package": package, **train_shards}, label.DeriveSettings(),
+    labels_path = slo_labels.run_derive({"package": package, **train_shards}, slo_labels.DeriveSettings(),
                                    StageContext(work_dir=args.out / "derive"))["labels"]
     heads = {}
     for policy, rule in (("ours", "capable"), ("lightest", "lightest")):
@@ -396,13 +396,13 @@ def main() -> None:
         heads[policy] = tlm.load_tlm(trained)
     test_shards = stage("label held-out", lambda: sweep("label-test", 300, args.test_items))
     keys = sorted(k.split(".", 1)[1] for k in test_shards if k.startswith("correctness."))
-    correct, tokens, meta = label.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
+    correct, tokens, meta = slo_labels.load_shards([(test_shards[f"correctness.{k}"], test_shards[f"meta.{k}"])
                                                for k in keys])
     profile = latency.profile_from_manifest(read_manifest(package))
     rng = random.Random(0)
     policies = ["ours", "llm-pruner", "prompt-only", "random", "oracle", "lightest"]
     table = {}
-    for slo in SLO_CLASSES:
+    for slo in TIGHT_CLASSES:
         row = {}
         for policy in policies:
             hits = violations = 0

@@ -1,6 +1,6 @@
 """An exported level in llama.cpp against the full model in llama.cpp: decode tok/s, file size.
 
-    .venv/bin/python bench/bench_export.py [--package DIR] [--level 0.5] [--threads 2] [--rounds 5]
+    .venv/bin/python -m bench.bench_export [--package DIR] [--level 0.5] [--threads 2] [--rounds 5]
 
 Both sides are `elastify-device export --format gguf` files of one SmolLM2 package (the level's
 and level 1.0's), at F16 and Q8_0, run by llama-cpp-python from its own venv (`make llama-cpp`)
@@ -23,7 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.bench_device import bench_package
+from bench.common import ROOT, print_table, write_json
+
 RESULTS = ROOT / "bench" / "results" / "export.json"
 PROMPT = "The history of the city begins in the early middle ages, when"
 NEW_TOKENS = 64
@@ -31,13 +33,13 @@ RUNS = 2
 TYPES = ("f16", "q8_0")
 ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")  # what a process needs to start, nothing that tunes it
 
-# Runs in llama.cpp's venv: stdlib and llama_cpp only.
+# Runs in llama.cpp's venv: stdlib and llama_cpp only. Its working directory is the repository, which
+# `python -c` puts on sys.path, so the stdlib-only bench.llama_kernels imports there too.
 LLAMA_CPP_DECODE = """
 import json, statistics, sys, time
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
-sys.path.insert(0, spec["bench_dir"])
-from llama_kernels import plain_kernels_where_amx_crashes
+from bench.llama_kernels import plain_kernels_where_amx_crashes
 plain = plain_kernels_where_amx_crashes()
 threads = spec["threads"]
 llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -57,11 +59,10 @@ print(json.dumps({"tok_s": 1 / step, "step_median_ms": step * 1000, "steps": len
 
 
 def decode(python: str, gguf: Path, prompt_ids: list[int], threads: int) -> dict:
-    spec = {"gguf": str(gguf), "prompt_ids": prompt_ids, "threads": threads, "new_tokens": NEW_TOKENS, "runs": RUNS,
-            "bench_dir": str(Path(__file__).resolve().parent)}
+    spec = {"gguf": str(gguf), "prompt_ids": prompt_ids, "threads": threads, "new_tokens": NEW_TOKENS, "runs": RUNS}
     env = {name: os.environ[name] for name in ENV_KEPT if name in os.environ}
     before = os.getloadavg()
-    done = subprocess.run([python, "-c", LLAMA_CPP_DECODE, json.dumps(spec)], env=env, capture_output=True,
+    done = subprocess.run([python, "-c", LLAMA_CPP_DECODE, json.dumps(spec)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"llama.cpp on {gguf.name} failed: {done.stderr.strip()[-500:]}")
@@ -87,8 +88,6 @@ def main() -> int:
         print(f"no llama.cpp interpreter at {args.llama_python}: run `make llama-cpp`", file=sys.stderr)
         return 1
 
-    from bench_device import bench_package
-    from common import print_table
     from tokenizers import Tokenizer
 
     from device_sdk.export_gguf import export_gguf
@@ -131,8 +130,7 @@ def main() -> int:
                           "size_ratio": result["file_bytes"][f"{dtype} level"] / result["file_bytes"][f"{dtype} full"]}
     result["summary"] = summary
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     rows = [[dtype.upper(), f"{s['full_tok_s']['mean']:.1f} ± {s['full_tok_s']['se']:.1f}",
              f"{s['level_tok_s']['mean']:.1f} ± {s['level_tok_s']['se']:.1f}",
              f"{s['speedup']['mean']:.2f} ± {s['speedup']['se']:.2f}",

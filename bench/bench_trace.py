@@ -6,7 +6,7 @@ held-in items 0..--train-items per task (180: 1,080 items over six tasks), label
 45 items run as Ray tasks (--label-workers side by side); the held-out items (--test-ranges, from item
 300) are labelled on the same grid and are asserted disjoint from the held-in ones.
 
-Trace. `pipeline.trace.make_trace`: --requests requests in ElastiLM's six SLO classes (TTFT, TPOT
+Trace. `bench.trace.make_trace`: --requests requests in ElastiLM's six SLO classes (TTFT, TPOT
 fractions) (1, 1), (0.8, 0.9), (0.6, 0.8), (0.4, 0.7), (0.2, 0.6), (0.2, 0.5); class k is tied to task
 k mod len(tasks) (six tasks by default, one per class, with their five-shot blocks) and asks that
 task's held-out items, each about equally often. Class skew α: class k gets a share
@@ -41,7 +41,7 @@ a measured TTFT or TPOT above its target. Policies, each picking a (prompt ratio
   random feasible    the exact expectation of a uniform draw among feasible cells (not served)
   oracle             the best feasible cell per item: an upper bound, not a policy (not served)
 
-Each policy pays only the TLM parts it runs (`pipeline.trace.policy_profile`); every cost model counts
+Each policy pays only the TLM parts it runs (`bench.trace.policy_profile`); every cost model counts
 the question kept whole (ratio × the rest + the question) and, per level and depth, TTFT measured at
 PROFILE_LENGTHS and interpolated. Ours skips the TLM where its own time is all that misses the SLO
 (`tlm_decider`), serving the profile rule's level on the whole prompt. The accuracy of a request
@@ -62,10 +62,10 @@ ours chose from, so the comparison is of the choice within it (`reference_mask` 
 Violations are counted on this machine while others run: they mean something only on a quiet
 machine; the load average is in the JSON.
 
-  nice -n 5 .venv/bin/python bench/bench_trace.py --package /tmp/dh-bench/package --out /tmp/dh-bench/out
+  nice -n 5 .venv/bin/python -m bench.bench_trace --package /tmp/dh-bench/package --out /tmp/dh-bench/out
                                                         # the committed run (~1 h once labelled;
                                                         # labelling the 1,080 held-in items ~1 h on two cores)
-  nice -n 5 .venv/bin/python bench/bench_trace.py --package ... --out ... --smoke   # a few minutes
+  nice -n 5 .venv/bin/python -m bench.bench_trace --package ... --out ... --smoke   # a few minutes
 """
 
 from __future__ import annotations
@@ -81,23 +81,10 @@ import time
 from pathlib import Path
 
 import torch
-from bench_decision_head import derive, held_in_tag, latency_and_score, sweep, train
-from common import ROOT, print_table
 
-from device_sdk.format import CloneProfile
-from device_sdk.latency import (
-    SERVING_HEADROOM,
-    SLO,
-    Decision,
-    Drift,
-    LatencyProfile,
-    predicted_ttft_ms,
-)
-from device_sdk.measure import measure_level, measure_profile, measure_tlm_latency
-from device_sdk.runtime import ElasticModel
-from device_sdk.tlm import TLM, tlm_decider
-from pipeline import label
-from pipeline.trace import (
+from bench.bench_decision_head import derive, held_in_tag, latency_and_score, sweep, train
+from bench.common import ROOT, print_table, write_file
+from bench.trace import (
     TRACE_CLASSES,
     bootstrap_ci,
     cell_cost_ms,
@@ -113,6 +100,20 @@ from pipeline.trace import (
     random_feasible_expectation,
     utility_choice,
 )
+from device_sdk.format import CloneProfile
+from device_sdk.latency import (
+    SERVING_HEADROOM,
+    SLO,
+    Decision,
+    Drift,
+    LatencyProfile,
+    predicted_ttft_ms,
+)
+from device_sdk.measure import measure_level, measure_profile, measure_tlm_latency
+from device_sdk.runtime import ElasticModel
+from device_sdk.tlm import TLM, tlm_decider
+from pipeline.data.tasks import load_items
+from pipeline.elastilm import label, slo_labels
 
 PROFILE_LENGTHS = (32, 128, 256, 512, 1024)  # prompt tokens timed per level and depth: BoolQ's reach ~940
 SERVED = ["ours (utility)", "ours (SLO-token)", "LLM-Pruner", "LLMLingua-2", "ShortGPT", "task lookup"]
@@ -243,8 +244,8 @@ def main() -> None:
                                   out / f"decision-{head}-{args.margin_temperature}-{args.seed}{tag}-{args.decision_steps}steps",
                                   args.margin_temperature, args.decision_steps)[0])
              for name, head in (("ours (utility)", "utility"), ("ours (SLO-token)", "slo_token"))}
-    correct, tokens, meta = label.load_shards(test_pairs)
-    held_in_correct, _, held_in_meta = label.load_shards(
+    correct, tokens, meta = slo_labels.load_shards(test_pairs)
+    held_in_correct, _, held_in_meta = slo_labels.load_shards(
         [(train_shards[f"correctness.{k}"], train_shards[f"meta.{k}"]) for k in range(len(train_shards) // 2)])
     lookup = held_in_rates(held_in_correct, [item["task"] for item in held_in_meta["items"]])
     assert (meta["ratios"], meta["levels"]) == (ratios, levels)
@@ -285,7 +286,7 @@ def main() -> None:
     items_by_id = {}
     for span in args.test_ranges.split(","):
         start, stop = (int(x) for x in span.split(":"))
-        items_by_id |= {it.id: it for t in tasks for it in label.load_items([t], start, stop)}
+        items_by_id |= {it.id: it for t in tasks for it in load_items([t], start, stop)}
     assert all(items_by_id[i].prompt() in prompts[i] for i in row)  # the labelled prompt is this item's
     depth_correct = shortgpt_labels(package, [items_by_id[i] for i in row], [prompts[i] for i in row],
                                     depth_profiles, out / f"shortgpt-labels{'-smoke' if args.smoke else ''}.json")
@@ -456,8 +457,7 @@ def write_report(path: Path, report: dict) -> None:
     blocks = [f'  "{key}": {{\n' + ",\n".join(f"    {json.dumps(name)}: {json.dumps(value, separators=(',', ':'))}"
                                              for name, value in entries.items()) + "\n  }"
               for key, entries in compact.items()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'{summary[:-2]},\n' + ",\n".join(blocks) + "\n}\n")
+    write_file(path, (f'{summary[:-2]},\n' + ",\n".join(blocks) + "\n}\n").encode())
 
 
 def summarise(trace, per: dict) -> dict:

@@ -12,4 +12,4 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else "no CUDA device visible to torch; this benchmark measures GPU recovery")'
 "$PYTHON" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")'
-exec "$PYTHON" bench/bench_gpu_recovery.py "$@"
+exec "$PYTHON" -m bench.bench_gpu_recovery "$@"

@@ -94,7 +94,7 @@ class TLMLatency:
         return total
 
 
-# The headroom the device SDK serves SLO decisions with. Chosen on two served traces (bench/replay_drift.py
+# The headroom the device SDK serves SLO decisions with. Chosen on two served traces (experiments/replay_drift.py
 # over trace-run1.json and trace-run2.json): 1.04 cut the violations of cells the quantile-scaled profile
 # called feasible from 47 to 29 and from 65 to 12 (of ~1,500 each); 1.10 reached 14 and 3, at the price of
 # a cheaper cell for 37% and 48% of those requests.

@@ -1,6 +1,6 @@
 """Do decoding penalties stop a level's loops, and what do they cost? Per level of a built package.
 
-Every level is run on the report card's 32 everyday prompts (`pipeline.evaluate.GENERATION_PROMPTS`,
+Every level is run on the report card's 32 everyday prompts (`pipeline.elastilm.evaluate.GENERATION_PROMPTS`,
 64 new tokens, as `elastify-device generate --level L` runs them) under greedy decoding and under the
 penalties the device SDK serves (`device_sdk.runtime.Sampling`): CTRL's `repetition_penalty` and
 OpenAI's `frequency_penalty`, each still greedy. Two measures per output:
@@ -16,7 +16,7 @@ lowest judge NLL among the settings whose repeat-4 rate is at most --repeat-rati
 greedy rate there; the lowest rate when none is), the odd-numbered ones report it. Intervals are 95%
 percentile bootstraps that resample whole prompts. Decoding is deterministic, so one run is the result.
 
-  .venv/bin/python bench/bench_decoding.py [--package DIR]     (default: make demo's package)
+  .venv/bin/python -m experiments.decoding_screen [--package DIR]     (default: make demo's package)
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from common import ROOT, print_table
 from rich.progress import track
 
-RESULTS = ROOT / "bench" / "results" / "decoding.json"
+from bench.common import ROOT, print_table
+
+RESULTS = ROOT / "experiments" / "results" / "decoding.json"
 DEMO_NAME = "smollm2-135m-elastic"  # api.commands.cluster.demo_spec's publish name
 SETTINGS = {  # name -> Sampling penalties (greedy throughout)
     "greedy": {},
@@ -60,7 +61,7 @@ def run_setting(level: str, setting: str, new_tokens: int) -> dict:
     import torch
 
     from device_sdk.runtime import Sampling
-    from pipeline.evaluate import GENERATION_PROMPTS, repeated_ngram_starts
+    from pipeline.elastilm.evaluate import GENERATION_PROMPTS, repeated_ngram_starts
 
     model = _model
     sampling = Sampling(temperature=0, **SETTINGS[setting])
@@ -84,7 +85,7 @@ def run_setting(level: str, setting: str, new_tokens: int) -> dict:
 
 def pooled(rows: list[dict], key: str) -> dict:
     """The pooled mean of `key` over the rows' values (per 4-gram or per token), prompts resampled whole."""
-    from pipeline.trace import bootstrap_ci
+    from bench.trace import bootstrap_ci
 
     values = [float(v) for row in rows for v in row[key]]
     clusters = [i for i, row in enumerate(rows) for _ in row[key]]
@@ -160,7 +161,7 @@ def main() -> None:
     report_full = split_summary(runs[("1.0", "greedy")], 1)
     results = {"package": str(args.package), "manifest_version": json.loads((args.package / "manifest.json")
                                                                                .read_text()).get("version"),
-               "prompts": "pipeline.evaluate.GENERATION_PROMPTS: even-numbered select, odd-numbered report",
+               "prompts": "pipeline.elastilm.evaluate.GENERATION_PROMPTS: even-numbered select, odd-numbered report",
                "new_tokens": args.new_tokens, "repeat_ratio_bound": args.repeat_ratio,
                "settings": {s: SETTINGS[s] for s in settings},
                "full_greedy_repeat4_select": full_rate, "full_greedy_report": report_full, "levels": {}}

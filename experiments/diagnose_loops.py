@@ -1,4 +1,4 @@
-"""Why the level's greedy loops survive on-policy distillation: the numbers behind recovery-onpolicy-screen.json.
+"""Why the level's greedy loops survive on-policy distillation: the numbers behind experiments/results/recovery-onpolicy-screen.json.
 
 (1) On the level's own greedy continuations of the first 8 everyday prompts (64 tokens), the mean
 probability of the tokens that repeat a 4-gram, under the level (its LoRA on) and under the full model
@@ -6,7 +6,7 @@ probability of the tokens that repeat a 4-gram, under the level (its LoRA on) an
 on corpus text against the KL on the level's own continuation, and the gradient norms with and
 without the unlikelihood term (the recover stage's own functions). Prints one JSON line.
 
-  .venv/bin/python bench/diagnose_loops.py --package /tmp/bench-recovery-48/package \\
+  .venv/bin/python -m experiments.diagnose_loops --package /tmp/bench-recovery-48/package \\
       --adapter /tmp/bench-recovery-48/adapters/distill-0.5.safetensors \\
       --corpus ~/.cache/elastify/bench/recovery-corpus-<digest>
 """
@@ -18,11 +18,10 @@ import json
 from pathlib import Path
 
 import torch
-from bench_recovery import training_kinds
 
-from pipeline.elastic_model import ElasticCausalLM
-from pipeline.evaluate import GENERATION_PROMPTS
-from pipeline.recover import (
+from bench.bench_recovery import training_kinds
+from pipeline.elastilm.evaluate import GENERATION_PROMPTS
+from pipeline.elastilm.recover import (
     LevelViews,
     add_lora,
     distill_loss,
@@ -33,6 +32,7 @@ from pipeline.recover import (
     teacher_targets,
     warm_start,
 )
+from pipeline.models.elastic import ElasticCausalLM
 from pipeline.settings import RecoverSettings
 
 

@@ -9,9 +9,10 @@ Every shape's levels are read through the device SDK on bench_recovery's LAMBADA
 prompts x 64 greedy tokens (sdk_quality), LAMBADA paired by window against the build's default shape,
 greedy repeats per prompt with a bootstrap over prompts.
 The JSON's `quality` has bench_recovery's reference layout, so a shape's package can be recovered by
-`bench_recovery.py --worker distill --package ...` and assembled by recovery_screen.py against it.
+`python -m bench.bench_recovery --worker distill --package ...` and assembled by
+experiments.recovery_screen against it.
 
-  .venv/bin/python bench/level_shape_screen.py --out /tmp/shapes \\
+  .venv/bin/python -m experiments.level_shape_screen --out /tmp/shapes \\
       --shape default= --shape "no anchors=anchor_fraction=0" --shape "attention whole=attn_rounding=whole" \\
       --shape "activation=profile.mlp_method=activation"
 """
@@ -22,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import shlex
 import subprocess
 import sys
 import time
@@ -30,13 +30,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
-from bench_recovery import EVERYDAY_PROMPTS, rate_ratio, sdk_quality
-from common import print_table
 
+from bench.bench_recovery import EVERYDAY_PROMPTS, rate_ratio, sdk_quality
+from bench.common import command_line, print_table, write_json
 from device_sdk.format import read_manifest
-from pipeline.calibration import make_windows
-from pipeline.evaluate import repeated_ngram_starts
-from pipeline.lm import paired_ratio
+from pipeline.data.calibration import make_windows
+from pipeline.elastilm.evaluate import repeated_ngram_starts
+from pipeline.models.scoring import paired_ratio
 from pipeline.stage import StageContext
 
 LEVELS = [0.5, 0.7, 1.0]
@@ -70,9 +70,9 @@ def parse_shape(spec: str) -> tuple[str, dict]:
 def build_shapes(out: Path, shapes: dict[str, dict]) -> dict[str, Path]:
     """One profile per distinct set of profile overrides, one package per shape."""
     from pipeline.assets import prepare_smollm2
-    from pipeline.elastify import ElastifySettings, elastify
-    from pipeline.models import load_model
-    from pipeline.profile import ProfileSettings, profile
+    from pipeline.elastilm.elastify import ElastifySettings, elastify
+    from pipeline.elastilm.profile import ProfileSettings, profile
+    from pipeline.models.loading import load_model
 
     loaded = load_model(prepare_smollm2())
     importances = {}
@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--lambada-windows", type=int, default=48)
     parser.add_argument("--gen-tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2, help="read processes side by side, one thread each")
-    parser.add_argument("--results", type=Path, help="also write the JSON here (e.g. bench/results/...)")
+    parser.add_argument("--results", type=Path, help="also write the JSON here (e.g. experiments/results/...)")
     parser.add_argument("--read", type=Path, help=argparse.SUPPRESS)  # internal: one package's read
     parser.add_argument("--read-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--full", action="store_true", help=argparse.SUPPRESS)
@@ -181,7 +181,7 @@ def main() -> None:
             name, package = pending.pop(0)
             target = package / "shape-read.json"
             running[name] = (subprocess.Popen(
-                [sys.executable, __file__, "--read", str(package), "--read-out", str(target),
+                [sys.executable, "-m", "experiments.level_shape_screen", "--read", str(package), "--read-out", str(target),
                  f"--lambada-windows={args.lambada_windows}", f"--gen-tokens={args.gen_tokens}",
                  *(["--full"] if name == next(iter(shapes)) else [])],
                 env={**os.environ, "OMP_NUM_THREADS": "1"}), target)
@@ -193,14 +193,12 @@ def main() -> None:
                 reads[name] = json.loads(target.read_text())
                 del running[name]
     result = {"what": "level shapes (and the importance they keep units by) at equal parameter budget, without recovery",
-              "command": shlex.join(["bench/level_shape_screen.py", *sys.argv[1:]]), "levels": LEVELS,
+              "command": command_line(), "levels": LEVELS,
               "prompts": len(EVERYDAY_PROMPTS), "gen_tokens": args.gen_tokens,
               "lambada_windows": args.lambada_windows, "wall_s": round(time.perf_counter() - started, 1),
               **assemble(shapes, packages, {name: reads[name] for name in shapes})}
     for target in [args.out / "shapes.json", *([args.results] if args.results else [])]:
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2))
-        tmp.replace(target)
+        write_json(target, result)
     print_table("level shapes without recovery (LAMBADA paired by window; repeat-4 bootstrapped over prompts)",
                 ["shape @ level", "active", "LAMBADA ppl", "x full", "x default [95%]", "repeat-4",
                  "x full", "- default [95%]"],

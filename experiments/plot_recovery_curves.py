@@ -1,12 +1,12 @@
 """Tokens to quality, from recovery screens: LAMBADA and greedy loops along each run's training, one PNG.
 
-Reads recovery_screen.py JSONs (one level each) whose runs recorded their curve (`bench_recovery.py
---curve-repeats` adds repeat-4 to every point) and plots, per level, LAMBADA perplexity and the
-repeated-4-gram rate as multiples of the full model's, with the issue's goals. A screen with
+Reads experiments.recovery_screen JSONs (one level each) whose runs recorded their curve
+(`python -m bench.bench_recovery --curve-repeats` adds repeat-4 to every point) and plots, per level,
+LAMBADA perplexity and the repeated-4-gram rate as multiples of the full model's, with the issue's goals. A screen with
 `acceptance` also gets that run's (c) at its end as a reference mark.
 
-  .venv/bin/python bench/plot_recovery_curves.py bench/results/recovery-long-lm-0.7.json \\
-      bench/results/recovery-long-0.5.json --png bench/results/recovery-long.png
+  .venv/bin/python -m experiments.plot_recovery_curves experiments/results/recovery-long-lm-0.7.json \\
+      experiments/results/recovery-long-0.5.json --png experiments/results/recovery-long.png
 """
 
 from __future__ import annotations
@@ -67,12 +67,12 @@ def plot(screens: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("screens", type=Path, nargs="+", help="recovery_screen.py JSONs")
+    parser.add_argument("screens", type=Path, nargs="+", help="experiments.recovery_screen JSONs")
     parser.add_argument("--png", type=Path, required=True)
     args = parser.parse_args()
     screens = [json.loads(path.read_text()) for path in args.screens]
     if any("curve" not in row for screen in screens for row in screen["rows"].values()):
-        raise SystemExit("error: a screen's run has no curve (recovery_screen.py records it)")
+        raise SystemExit("error: a screen's run has no curve (experiments.recovery_screen records it)")
     plot(screens, args.png)
     print(f"wrote {args.png}")
 

@@ -10,7 +10,7 @@ same way, in torch: LAMBADA perplexity (paired over windows) and greedy repeat-4
 32 prompts × 64 tokens, the full model read alongside. Both are read by this script, so the pair is
 like with like even though the package's own reads go through the device SDK.
 
-  .venv/bin/python bench/recovery_norms_screen.py --package /tmp/rb/package \\
+  .venv/bin/python -m experiments.recovery_norms_screen --package /tmp/rb/package \\
       --baseline /tmp/rb-base0.7/runs/distill.json --variant norms --out /tmp/rn-norms
 """
 
@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 import torch
-from bench_recovery import EvalSets, greedy_repeat4, training_kinds
-from common import ROOT, print_table
 
+from bench.bench_recovery import EvalSets, greedy_repeat4, training_kinds
+from bench.common import ROOT, print_table
 from device_sdk.format import atomic_write_bytes
-from pipeline.evaluate import GENERATION_PROMPTS
-from pipeline.lm import paired_ratio
+from pipeline.elastilm.evaluate import GENERATION_PROMPTS
+from pipeline.models.scoring import paired_ratio
 from pipeline.settings import RecoverSettings
 from pipeline.stage import StageContext
 
@@ -40,8 +40,8 @@ VARIANTS = {"baseline": ([], False), "norms": (NORMS, False), "norms+head": (NOR
 def build(package: Path, settings: RecoverSettings, variant: str):
     from peft import LoraConfig, get_peft_model
 
-    from pipeline.elastic_model import ElasticCausalLM
-    from pipeline.recover import LevelViews, lora_target_names
+    from pipeline.elastilm.recover import LevelViews, lora_target_names
+    from pipeline.models.elastic import ElasticCausalLM
 
     saved_modules, head = VARIANTS[variant]
     model = ElasticCausalLM.from_package(package)
@@ -56,7 +56,7 @@ def build(package: Path, settings: RecoverSettings, variant: str):
 
 
 def read(views, sets: EvalSets, tokenizer, max_new_tokens: int) -> dict:
-    from pipeline.lm import window_nlls
+    from pipeline.models.scoring import window_nlls
 
     started = time.perf_counter()
     nlls = window_nlls(views.hf, sets.windows["lambada"], 4)  # peft injects in place: views.hf carries it
@@ -68,7 +68,7 @@ def read(views, sets: EvalSets, tokenizer, max_new_tokens: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--package", type=Path, required=True)
-    parser.add_argument("--baseline", type=Path, required=True, help="a bench_recovery worker's runs/distill.json")
+    parser.add_argument("--baseline", type=Path, required=True, help="a bench.bench_recovery worker's runs/distill.json")
     parser.add_argument("--variant", choices=[v for v in VARIANTS if v != "baseline"], required=True)
     parser.add_argument("--level", default="0.7")
     parser.add_argument("--lambada-windows", type=int, default=48)
@@ -76,14 +76,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, help="override the baseline's steps (a smoke run; not comparable)")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--results", type=Path, help="write the JSON here too (bench/results/...)")
+    parser.add_argument("--results", type=Path, help="write the JSON here too (experiments/results/...)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # the stage's progress, every 5 s
     from transformers import AutoTokenizer
 
-    from pipeline.lm import window_nlls
-    from pipeline.recover import make_loss, mixed_batches, train_torch, warm_start
+    from pipeline.elastilm.recover import make_loss, mixed_batches, train_torch, warm_start
+    from pipeline.models.scoring import window_nlls
 
     baseline_run = json.loads(args.baseline.read_text())["runs"][args.level]
     settings = RecoverSettings(**baseline_run["settings"])

@@ -1,16 +1,16 @@
-"""One screen of recovery settings: `bench_recovery.py --worker` runs side by side, assembled into a JSON.
+"""One screen of recovery settings: `bench.bench_recovery --worker` runs side by side, assembled into a JSON.
 
 A screen changes one thing (the LoRA rank, the corpus, ...) and trains one level per setting on the
 same package, window set and prompt set, one seed. Each run is NAME=OUT=CORPUS[=METHOD] (the worker's
 --out and --corpus, and which of its methods: (c) `distill` unless given); the first is the baseline.
 LAMBADA and the generation prompts are the same for every run, so they are compared paired; the held-out and validation slices come from the corpus, so they are
 paired only between runs on the same corpus. With --decoding, each run's greedy output is also read
-over all 32 prompts by bench_decoding.py (repeat-4 and the full model's NLL of it), against the baseline's
+over all 32 prompts by experiments.decoding_screen (repeat-4 and the full model's NLL of it), against the baseline's
 with a prompt-resampling bootstrap. The full model's numbers come from --reference, a
-bench_recovery reference read (recovery.json's `full_model`, or a screen's `quality["1.0"]`).
+bench.bench_recovery reference read (recovery.json's `full_model`, or a screen's `quality["1.0"]`).
 
-  .venv/bin/python bench/recovery_screen.py --level 0.7 --what "..." --command "..." \\
-      --run "48 prompts=/tmp/rb48=C48" --run "480 prompts=/tmp/rb480=C480" --out bench/results/X.json
+  .venv/bin/python -m experiments.recovery_screen --level 0.7 --what "..." --command "..." \\
+      --run "48 prompts=/tmp/rb48=C48" --run "480 prompts=/tmp/rb480=C480" --out experiments/results/X.json
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import math
 import random
 from pathlib import Path
 
-from common import ROOT, print_table
-
-from pipeline.lm import paired_ratio
+from bench.common import ROOT, print_table
+from pipeline.models.scoring import paired_ratio
 
 METHOD = "distill"  # the worker's (c), a run's method unless its spec names another
 
@@ -77,7 +76,7 @@ def assemble(runs: list[tuple[str, Path, Path, str]], level: str, reference: dic
 
 
 def greedy_reads(path: Path, level: str, baseline_path: Path | None, resamples: int = 4000) -> dict:
-    """One run's greedy output over all the prompts of a bench_decoding file (repeat-4 and judge NLL, pooled),
+    """One run's greedy output over all the prompts of a decoding_screen file (repeat-4 and judge NLL, pooled),
     and, against the baseline's file, the difference with a 95% bootstrap interval that resamples prompts
     (the same prompts on both sides)."""
     def load(file: Path) -> list[dict]:
@@ -112,14 +111,14 @@ def main() -> None:
     parser.add_argument("--run", action="append", required=True,
                         help="NAME=OUT=CORPUS[=METHOD] (default distill); the first is the baseline")
     parser.add_argument("--level", required=True)
-    parser.add_argument("--reference", type=Path, default=ROOT / "bench" / "results" / "recovery-unrecovered-screen.json")
+    parser.add_argument("--reference", type=Path, default=ROOT / "experiments" / "results" / "recovery-unrecovered-screen.json")
     parser.add_argument("--what", required=True, help="what the screen changes and holds fixed")
     parser.add_argument("--command", required=True, help="the worker command line, for a rerun")
     parser.add_argument("--note", default="", help="the machine, contention, anything a rerun needs to know")
     parser.add_argument("--acceptance", type=Path,
-                        help="a bench_recovery result (recovery.json): also pair each run's LAMBADA with its (c) at the level")
+                        help="a bench.bench_recovery result (recovery.json): also pair each run's LAMBADA with its (c) at the level")
     parser.add_argument("--decoding", action="append", default=[],
-                        help="NAME=FILE: a `bench_decoding.py --settings greedy` read of that run's package")
+                        help="NAME=FILE: an `experiments.decoding_screen --settings greedy` read of that run's package")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     runs = []

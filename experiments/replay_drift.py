@@ -1,6 +1,6 @@
 """What the SDK's profile recalibration (`device_sdk.latency.Drift`) would have said about a served trace.
 
-Replays a bench_trace.py run's per-request rows (its raw JSON, `served_alpha_0`) in the order they were
+Replays a bench.bench_trace run's per-request rows (its raw JSON, `served_alpha_0`) in the order they were
 served (item by item, as bench_trace serves them) through a fresh `Drift` per policy: before each
 request, would the recalibrated prediction of the cell it was served at still meet the request's
 target? Then the request's measured TTFT and TPOT are observed, as the SDK does after serving. For
@@ -16,12 +16,13 @@ served policy's are).
 A run served under `Drift` already holds the recalibrated prediction in its rows; replaying a fresh
 `Drift` over it would count the recalibration twice, so such a run is replayed with `--quantiles off`
 and a sweep of `--headrooms` (`Drift.headroom`, a margin on top of what the run's profile predicted).
-This is how the SDK's default headroom was chosen, on trace-run1.json and trace-run2.json:
+This is how the SDK's default headroom was chosen, on experiments/results/trace-run1.json and trace-run2.json:
 
-  .venv/bin/python bench/replay_drift.py --trace bench/results/trace.json --label-dir /tmp/dh-bench/out/label
-  .venv/bin/python bench/replay_drift.py --trace bench/results/trace-run1.json bench/results/trace-run2.json \
+  .venv/bin/python -m experiments.replay_drift --trace bench/results/trace.json --label-dir /tmp/dh-bench/out/label
+  .venv/bin/python -m experiments.replay_drift \
+      --trace experiments/results/trace-run1.json experiments/results/trace-run2.json \
       --label-dir /tmp/trace-run/out/label --quantiles off --headrooms 1,1.02,1.04,1.06,1.08,1.1 \
-      --results bench/results/drift_headroom_replay.json
+      --results experiments/results/drift_headroom_replay.json
 """
 
 from __future__ import annotations
@@ -30,8 +31,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import ROOT, print_table
-
+from bench.common import ROOT, print_table
 from device_sdk.format import atomic_write_bytes
 from device_sdk.latency import SLO, Drift
 
@@ -77,10 +77,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trace", type=Path, nargs="+", default=[ROOT / "bench" / "results" / "trace.json"])
     parser.add_argument("--label-dir", type=Path, default=Path("/tmp/dh-bench/out/label"),
-                        help="bench_trace's label shards (the held-out ones give the serving order)")
+                        help="bench.bench_trace's label shards (the held-out ones give the serving order)")
     parser.add_argument("--quantiles", default="0.5,0.9", help="a fresh Drift's quantiles; 'off': none")
     parser.add_argument("--headrooms", default="1.0")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "drift_replay.json")
+    parser.add_argument("--results", type=Path, default=ROOT / "experiments" / "results" / "drift_replay.json")
     args = parser.parse_args()
     quantiles = [None if q == "off" else float(q) for q in args.quantiles.split(",")]
     headrooms = [float(h) for h in args.headrooms.split(",")]

@@ -1,4 +1,4 @@
-"""bench_trace.py runs of one package under different --seed values, read together.
+"""bench.bench_trace runs of one package under different --seed values, read together.
 
 A run's seed shuffles its trace and seeds both decision heads' training, so one run says little about
 which head is better: the heads differ by a few requests in each. This reads the served policies'
@@ -8,7 +8,7 @@ difference from each of ours' heads, with 95% bootstrap intervals that resample 
 runs being one cluster. The unserved references (random feasible, oracle) have no per-request rows in
 every run, so they are not pooled.
 
-  .venv/bin/python bench/trace_seeds.py bench/results/trace-run5.json bench/results/trace.json
+  .venv/bin/python -m experiments.trace_seeds experiments/results/trace-run5.json bench/results/trace.json
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from common import ROOT, print_table
-
+from bench.common import ROOT, print_table
+from bench.trace import bootstrap_ci, paired_difference_ci
 from device_sdk.format import atomic_write_bytes
-from pipeline.trace import bootstrap_ci, paired_difference_ci
 
 HEADS = ["ours (utility)", "ours (SLO-token)"]
 
@@ -51,8 +50,8 @@ def compare(runs: list[dict[str, dict[str, list]]]) -> dict[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("traces", type=Path, nargs="+", help="bench_trace.py raw JSONs of one package")
-    parser.add_argument("--results", type=Path, default=ROOT / "bench" / "results" / "trace-seeds.json")
+    parser.add_argument("traces", type=Path, nargs="+", help="bench.bench_trace raw JSONs of one package")
+    parser.add_argument("--results", type=Path, default=ROOT / "experiments" / "results" / "trace-seeds.json")
     args = parser.parse_args()
     reports = [json.loads(path.read_text()) for path in args.traces]
     packages = {report["package"] for report in reports}

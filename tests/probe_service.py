@@ -6,7 +6,7 @@ a tiny model and builds a package from it, the only build. Then every case below
 timeout, while /healthz keeps answering; afterwards no database row and no store object has been
 added or removed by them. Cross-tenant reads that answer 200 with a list must list none of A's.
 
-    .venv/bin/python bench/probe_service.py   # starts its own services; writes bench/results/probe_service.json
+    .venv/bin/python -m tests.probe_service   # starts its own services; writes bench/results/probe_service.json
 
 tests/integration/test_probe_service.py runs `probe` on the test session's services (`make test`).
 """
@@ -33,12 +33,9 @@ from pathlib import Path
 
 import httpx
 
+from tests.integration import services
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tests.integration import services  # noqa: E402
-
 RESULTS = ROOT / "bench" / "results" / "probe_service.json"
 REQUEST_TIMEOUT = 15.0  # seconds; a request still open then counts as a hang
 CLI_TIMEOUT = 120.0

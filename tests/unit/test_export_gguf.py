@@ -23,14 +23,15 @@ NEW_TOKENS = 32
 PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):", "The three primary colors are",
            "Water boils at", "In 1492, Columbus", "The best way to learn a language is", "1, 2, 3, 4,"]
 # Runs in llama.cpp's venv: greedy tokens from the SDK's prompt ids and llama.cpp's own tokenization;
-# with "forced", the argmax at every position of the given sequences instead (teacher forcing).
+# with "forced", the argmax at every position of the given sequences instead (teacher forcing). It runs
+# with the repository as its working directory, which `python -c` puts on sys.path: bench.llama_kernels
+# is stdlib only, so it imports there without the project's own venv.
 LLAMA_CPP_RUNNER = """
 import json, sys
 import numpy as np
 from llama_cpp import Llama
 spec = json.loads(sys.argv[1])
-sys.path.insert(0, spec["bench_dir"])
-from llama_kernels import plain_kernels_where_amx_crashes
+from bench.llama_kernels import plain_kernels_where_amx_crashes
 plain_kernels_where_amx_crashes()
 llm = Llama(model_path=spec["gguf"], n_ctx=256, n_threads=1, logits_all="forced" in spec, verbose=False)
 out = {"generated": [], "tokenized": [], "forced_argmax": []}
@@ -74,11 +75,11 @@ def run_llama_cpp(gguf: Path, prompt_ids: list[list[int]], forced: list[list[int
     at every position of each `forced` sequence), in its own venv with a clean environment."""
     wait_for_llama_build()
     spec = {"gguf": str(gguf), "prompts": [] if forced else PROMPTS, "prompt_ids": [] if forced else prompt_ids,
-            "new_tokens": NEW_TOKENS, "bench_dir": str(ROOT / "bench")}  # bench/llama_kernels.py, stdlib only
+            "new_tokens": NEW_TOKENS}
     if forced:
         spec["forced"] = forced
     env = {name: os.environ[name] for name in ("PATH", "HOME", "LANG") if name in os.environ}  # nothing of ours
-    done = subprocess.run([str(LLAMA_PYTHON), "-c", LLAMA_CPP_RUNNER, json.dumps(spec)], env=env,
+    done = subprocess.run([str(LLAMA_PYTHON), "-c", LLAMA_CPP_RUNNER, json.dumps(spec)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
