@@ -172,7 +172,7 @@ class LevelShape:
     active_fraction: float  # active_params / the full model's active_params
     adapter: str | None = None  # adapters/recovery/<name>.safetensors once recovery ran
     quality: dict[str, float] = field(default_factory=dict)
-    # The report card's verdict (pipeline.evaluate): False when its quality is below the build's
+    # The report card's verdict (pipeline.elastilm.evaluate): False when its quality is below the build's
     # thresholds, so the SLO decision never picks it (a forced level still may). Packages from
     # before the verdict existed read as usable.
     usable: bool = True

@@ -4,7 +4,7 @@ The TLM is one BERT-style encoder: a frozen trunk, then a score branch (keep/dro
 and a decision branch, whose head the config names (`decision_head`; absent in older
 packages, which read as "slo_token"): ElastiLM's prompt-ratio and level heads over
 `[TTFT_x] [TPOT_y] prompt`, or the utility head (P(right) per (ratio, level) cell over the
-prompt alone, masked here by this device's profile). The pipeline trains it (pipeline/tlm.py)
+prompt alone, masked here by this device's profile). The pipeline trains it (pipeline/elastilm/tlm.py)
 and uses the word and decision rules defined here, so that what the labels were made with is
 exactly what a device runs.
 """
