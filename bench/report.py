@@ -1136,9 +1136,8 @@ def headline(r: Results) -> str:
         ],
         [
             "recovery on a GPU",
-            f"distillation on one {gpu['device']}: {num(gpu['tokens_per_s'], 0)} tokens/s with SmolLM2's shapes, "
-            f"so a 7B model's {gpu['extrapolated_7b']['levels']} levels at {tokens(gpu['extrapolated_7b']['tokens_per_level'])} "
-            f"tokens each take ~{num(gpu['extrapolated_7b']['gpu_hours'], 2)} GPU-hours",
+            f"distillation on one {gpu['device']}: {num(gpu['tokens_per_s'], 0)} tokens/s with SmolLM2-135M's "
+            "shapes (no larger model measured yet; the page's 7B columns are FLOP extrapolations)",
             "[recovery](docs/results/recovery.md#on-a-gpu)",
         ],
         [
