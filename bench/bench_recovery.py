@@ -6,11 +6,11 @@
   (d) distill-warm  (c), each level's LoRA starting from the next larger level's (c)/(d) LoRA;
                     the largest recovered level has none above it, so its (d) is its (c)
   (e) distill-onpolicy  (c), with a share (--on-policy) of steps on the level's own greedy
-                    continuation of the window's first --rollout-prefix tokens (RecoverSettings.on_policy),
+                    continuation of the window's first --rollout-prefix tokens (RecoverExperiments.on_policy),
                     with --unlikelihood weight on the tokens of the 4-grams it repeats there
   (f) distill-corrected  (c), with the same share of on-policy steps, but each token the level writes
                     that is outside the full model's top --correct-top-k replaced by the full model's
-                    argmax (RecoverSettings.rollout = "corrected"; speculative KD)
+                    argmax (RecoverExperiments.rollout = "corrected"; speculative KD)
 
 Every method trains each level on `steps × batch × seq_len` tokens with the same settings
 otherwise; the training loop is the recover stage's own (pipeline.elastilm.recover: LevelViews, add_lora,
@@ -53,7 +53,7 @@ from device_sdk.format import WEIGHTS, read_manifest
 from pipeline.data.calibration import make_windows, text_windows
 from pipeline.elastilm.evaluate import GENERATION_PROMPTS, repeated_4gram_rate
 from pipeline.models.scoring import paired_ratio
-from pipeline.settings import CorpusSettings, RecoverSettings
+from pipeline.settings import CorpusSettings, RecoverExperiments, RecoverSettings
 from pipeline.stage import StageContext
 
 CACHE = Path.home() / ".cache" / "elastify" / "bench"
@@ -215,15 +215,16 @@ def recover_settings(args, method: str, level: str) -> RecoverSettings:
     return RecoverSettings(level=level, corpus=["ptb:train"], steps=args.steps, batch_size=args.batch_size,
                            seq_len=args.seq_len, lr=args.lr, warmup_steps=max(1, args.steps // 20),
                            loss="distill" if distill else "lm", temperature=args.temperature, top_k=0,
-                           lm_weight=args.lm_weight if distill else 0.0,
-                           divergence=args.divergence,
                            warm_start=method == "distill-warm", seed=args.seed, precision=args.precision,
                            dropout=args.dropout, rank=args.rank, alpha=args.alpha,
-                           on_policy=args.on_policy if method in ON_POLICY_METHODS else 0.0,
-                           rollout_prefix=args.rollout_prefix,
-                           rollout="corrected" if method == "distill-corrected" else "student",
-                           correct_top_k=args.correct_top_k,
-                           unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0,
+                           experimental=RecoverExperiments(
+                               lm_weight=args.lm_weight if distill else 0.0,
+                               divergence=args.divergence,
+                               on_policy=args.on_policy if method in ON_POLICY_METHODS else 0.0,
+                               rollout_prefix=args.rollout_prefix,
+                               rollout="corrected" if method == "distill-corrected" else "student",
+                               correct_top_k=args.correct_top_k,
+                               unlikelihood=args.unlikelihood if method == "distill-onpolicy" else 0.0),
                            **({"mix": parse_mix(args.mix)} if args.mix else {}))
 
 
@@ -596,8 +597,8 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=RecoverSettings().lr)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--divergence", choices=["forward", "reverse", "jsd"], default=RecoverSettings().divergence,
-                        help="of the distillation methods (RecoverSettings.divergence)")
+    parser.add_argument("--divergence", choices=["forward", "reverse", "jsd"], default=RecoverExperiments().divergence,
+                        help="of the distillation methods (RecoverExperiments.divergence)")
     parser.add_argument("--lm-weight", type=float, default=0.0,
                         help="(c), (d): add this weight × the LM loss on the corpus to the distillation loss")
     parser.add_argument("--mix", default="",
@@ -634,8 +635,8 @@ def main() -> None:
     # internal: one worker process / one corpus shard
     parser.add_argument("--corrected", action="store_true",
                         help="also run (f) as another worker: on-policy steps written by the level, corrected by "
-                             "the full model (RecoverSettings.rollout)")
-    parser.add_argument("--correct-top-k", type=int, default=RecoverSettings().correct_top_k,
+                             "the full model (RecoverExperiments.rollout)")
+    parser.add_argument("--correct-top-k", type=int, default=RecoverExperiments().correct_top_k,
                         help="(f): the full model's top k that keeps the level's token")
     parser.add_argument("--prepare-only", action="store_true", help="build the package and corpus, print their paths")
     parser.add_argument("--worker", choices=sorted(WORKERS))

@@ -19,6 +19,8 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     StrictFloat,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
@@ -117,6 +119,45 @@ class ElastifySettings(StageSettings):
     version: str = Field(default="0.0.0", min_length=1, description="the package's version (default: publish.version)")
 
 
+class RecoverExperiments(StageSettings):
+    """Research levers of recovery, kept for the screens in experiments/ (run through bench.bench_recovery's
+    methods (e) and (f) and its --divergence and --lm-weight). The default build uses none of them, and each
+    was screened on SmolLM2-135M without a gain: docs/results/recovery.md, 'What was tried on recovery'.
+
+    By default each is off or at the value the default build uses; RecoverSettings checks how they
+    combine with its own settings (loss, seq_len).
+    """
+
+    # Which divergence between the two distributions (pipeline.elastilm.recover.divergence): "forward"
+    # KL(full || level), the default build's, covers every token the full model gives mass; "reverse" seeks its
+    # modes (MiniLLM, Gu et al. 2024); "jsd" is GKD's generalized Jensen-Shannon at `jsd_beta`, between the two.
+    divergence: Divergence = "forward"
+    jsd_beta: float = Field(default=0.5, gt=0.0, lt=1.0)
+    lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
+    # On-policy distillation: the share of distillation steps whose text the level writes itself
+    # (each window's first `rollout_prefix` tokens continued greedily to the window's length), the
+    # KL taken on what it wrote. Corpus text never shows the student its own loops.
+    on_policy: float = Field(default=0.0, ge=0.0, le=1.0)
+    rollout_prefix: PositiveInt = 32
+    # Who writes that text. "student": the level alone. "corrected": the level, with the full model's
+    # argmax in place of every token outside the full model's top `correct_top_k` (speculative KD, Xu et
+    # al. 2024). Shown a loop, the full model continues it too, so only the loop's entry is the level's
+    # own error; correction keeps the text the level's own up to that point and then leaves the loop out.
+    rollout: Literal["student", "corrected"] = "student"
+    correct_top_k: PositiveInt = 5
+    # Weight of the sequence-level unlikelihood loss on those steps (Welleck et al. 2019): every token
+    # of a 4-gram the level repeats in its own text is pushed down.
+    unlikelihood: float = Field(default=0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RecoverExperiments:
+        if self.unlikelihood and not self.on_policy:
+            raise ValueError("unlikelihood applies to the level's own text: set on_policy above 0")
+        if self.rollout != "student" and not self.on_policy:
+            raise ValueError("rollout: who writes the on-policy text matters only with on_policy above 0")
+        return self
+
+
 class RecoverSettings(StageSettings):
     level: str | None = Field(default=None, description="the level this task trains; set per shard by the fan-out")
     corpus: Corpora = Field(default_factory=lambda: ["ptb:train"])
@@ -149,28 +190,7 @@ class RecoverSettings(StageSettings):
     # weights at level 1.0 with the LoRA off; "lm": the plain next-token loss.
     loss: Literal["distill", "lm"] = "distill"
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
-    # Which divergence between the two (pipeline.elastilm.recover.divergence): "forward" KL(full || level) covers
-    # every token the full model gives mass; "reverse" seeks its modes (MiniLLM, Gu et al. 2024);
-    # "jsd" is GKD's generalized Jensen-Shannon at `jsd_beta`, between the two.
-    divergence: Divergence = "forward"
-    jsd_beta: float = Field(default=0.5, gt=0.0, lt=1.0)
     top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
-    lm_weight: float = Field(default=0.0, ge=0.0)  # weight of the next-token loss added to the KL
-    # On-policy distillation: the share of distillation steps whose text the level writes itself
-    # (each window's first `rollout_prefix` tokens continued greedily to the window's length), the
-    # KL taken on what it wrote. Corpus text never shows the student its own loops.
-    on_policy: float = Field(default=0.0, ge=0.0, le=1.0)
-    rollout_prefix: PositiveInt = 32
-    # Who writes that text. "student": the level alone. "corrected": the level, with the full model's
-    # argmax in place of every token outside the full model's top `correct_top_k` (speculative KD, Xu et
-    # al. 2024). Shown a loop, the full model continues it too, so only the loop's entry is the level's
-    # own error; correction keeps the text the level's own up to that point and then leaves the loop out.
-    rollout: Literal["student", "corrected"] = "student"
-    correct_top_k: PositiveInt = 5
-    # Weight of the sequence-level unlikelihood loss on those steps (Welleck et al. 2019): every token
-    # of a 4-gram the level repeats in its own text is pushed down. Greedy loops are what make small
-    # levels unusable, and on-policy KL alone left them as they were (bench_recovery, method (e)).
-    unlikelihood: float = Field(default=0.0, ge=0.0)
     # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
     # levels then recover one after another, largest first (pipeline.chain._recover_shards).
     warm_start: bool = True
@@ -180,19 +200,24 @@ class RecoverSettings(StageSettings):
     # too little text for its share is repeated (the training metrics say how often).
     mix: dict[CorpusKind, NonNegativeFloat] = Field(
         default_factory=lambda: {"generated": 0.5, "passages": 0.3, "ptb": 0.2})
+    experimental: RecoverExperiments = Field(default_factory=RecoverExperiments)  # research levers, all off
+
+    @field_validator("experimental")
+    @classmethod
+    def _experiments_fit(cls, experiments: RecoverExperiments, info: ValidationInfo) -> RecoverExperiments:
+        # A field validator rather than the model's, so that the error is located at `experimental`;
+        # `loss` and `seq_len` come before it, so they are validated already (absent if invalid themselves).
+        loss, seq_len = info.data.get("loss"), info.data.get("seq_len")
+        if experiments.on_policy and loss is not None and loss != "distill":
+            raise ValueError("on_policy: the level's own text is scored by the teacher, so it needs loss 'distill'")
+        if experiments.on_policy and seq_len is not None and experiments.rollout_prefix >= seq_len:
+            raise ValueError(f"rollout_prefix ({experiments.rollout_prefix}) must be below seq_len ({seq_len})")
+        return experiments
 
     @model_validator(mode="after")
     def _consistent(self) -> RecoverSettings:
         if not any(self.mix.values()):
             raise ValueError("mix: at least one kind of recovery text needs a share above 0")
-        if self.on_policy and self.loss != "distill":
-            raise ValueError("on_policy: the level's own text is scored by the teacher, so it needs loss 'distill'")
-        if self.unlikelihood and not self.on_policy:
-            raise ValueError("unlikelihood applies to the level's own text: set on_policy above 0")
-        if self.rollout != "student" and not self.on_policy:
-            raise ValueError("rollout: who writes the on-policy text matters only with on_policy above 0")
-        if self.on_policy and self.rollout_prefix >= self.seq_len:
-            raise ValueError(f"rollout_prefix ({self.rollout_prefix}) must be below seq_len ({self.seq_len})")
         return self
 
 

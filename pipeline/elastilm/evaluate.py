@@ -229,7 +229,8 @@ def in_domain_reference(manifest: Manifest, recovery: list[dict]) -> tuple[bool,
     if not any(shape.adapter for shape in manifest.elastic.levels):
         return True, "no level has a recovery LoRA: every level is the elastified model alone"
     settings = [metrics.get("settings", {}) for metrics in recovery]
-    if settings and all(s.get("loss") == "distill" and s.get("lm_weight", 0.0) == 0.0 for s in settings):
+    if settings and all(s.get("loss") == "distill" and s.get("experimental", {}).get("lm_weight", 0.0) == 0.0
+                        for s in settings):
         return True, (f"level {full.name} without a LoRA: every level was distilled from it with no LM loss, so a "
                       f"level-{full.name} LoRA trained the same way stays exactly zero")
     return False, (f"not reported: levels were recovered with an LM loss (or it is unknown how) and the build has "

@@ -8,9 +8,10 @@ B [out_active, r], exactly what `adapters/recovery/<level>.safetensors` holds.
 
 The loss is by default distillation: the teacher is the same weights at level 1.0 (the views
 re-pointed at the whole storage, the LoRA bypassed), under no_grad; the student is the level
-with its LoRA; KL(teacher || student) (or the reverse KL, or GKD's JSD: `divergence`) at a
-temperature, optionally over the teacher's top-k, plus an optional LM-loss weight. `loss: lm` is the plain next-token loss. With `warm_start`,
-the LoRA starts from the next larger level's, cut to this level's prefix.
+with its LoRA; KL(teacher || student) at a temperature, optionally over the teacher's top-k.
+`loss: lm` is the plain next-token loss. With `warm_start`, the LoRA starts from the next larger
+level's, cut to this level's prefix. Other divergences, an added LM loss and on-policy steps are
+research levers under `experimental` (pipeline.settings.RecoverExperiments), off by default.
 
 Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.elastilm.corpus) or
 instruction data in alpaca (`instruction`/`input`/`output`) or chat (`messages`) JSONL, with
@@ -427,23 +428,24 @@ def corrected_rollout(views: LevelViews, full: str, peft_model, input_ids: torch
 
 def make_loss(settings: RecoverSettings, views: LevelViews, full: str, peft_model) -> Callable:
     """The training loss of (input ids, labels): the LM loss, or distillation from the full model, on the
-    batch or (a seeded `on_policy` share of steps) on the level's own continuation of it."""
+    batch or (a seeded `experimental.on_policy` share of steps) on the level's own continuation of it."""
     if settings.loss == "lm":
         return lambda ids, labels: lm_loss(views.hf, ids, labels)
     rollouts = random.Random(settings.seed)  # which steps roll out: the same on a rerun
+    experimental = settings.experimental
 
     def distill(ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         repeated = None
-        if settings.on_policy and rollouts.random() < settings.on_policy:
-            if settings.rollout == "corrected":
-                ids, labels = corrected_rollout(views, full, peft_model, ids, settings.rollout_prefix,
-                                                settings.correct_top_k)
+        if experimental.on_policy and rollouts.random() < experimental.on_policy:
+            if experimental.rollout == "corrected":
+                ids, labels = corrected_rollout(views, full, peft_model, ids, experimental.rollout_prefix,
+                                                experimental.correct_top_k)
             else:
-                ids, labels = student_rollout(views.hf, ids, settings.rollout_prefix)
-            repeated = repeated_ngram_positions(ids, settings.rollout_prefix) if settings.unlikelihood else None
+                ids, labels = student_rollout(views.hf, ids, experimental.rollout_prefix)
+            repeated = repeated_ngram_positions(ids, experimental.rollout_prefix) if experimental.unlikelihood else None
         teacher = teacher_targets(views, full, peft_model, ids, labels, settings.temperature, settings.top_k)
-        return distill_loss(views.hf, ids, labels, teacher, settings.temperature, settings.lm_weight,
-                            repeated, settings.unlikelihood, settings.divergence, settings.jsd_beta)
+        return distill_loss(views.hf, ids, labels, teacher, settings.temperature, experimental.lm_weight,
+                            repeated, experimental.unlikelihood, experimental.divergence, experimental.jsd_beta)
 
     return distill
 

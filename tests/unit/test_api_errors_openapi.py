@@ -258,6 +258,27 @@ def test_each_bad_setting_value_of_the_probe_is_a_422_naming_it_and_writes_nothi
         assert session.scalar(select(func.count()).select_from(Build)) == 0
 
 
+def test_a_research_lever_is_checked_under_experimental_and_unknown_at_the_top(api):
+    client = TestClient(create_app(api.settings))  # the default registry: pipeline.chain's stages
+    headers = api.token("acme")
+    for settings, field, says in [
+        ({"experimental": {"unlikelihood": 1.0}}, "body.stages.recover.settings.experimental", "on_policy above 0"),
+        ({"loss": "lm", "experimental": {"on_policy": 0.5}}, "body.stages.recover.settings.experimental", "'distill'"),
+        ({"experimental": {"on_policy": 2.0}}, "body.stages.recover.settings.experimental.on_policy", "1"),
+        ({"on_policy": 0.5}, "body.stages.recover.settings.on_policy", "'experimental'"),  # its old place
+    ]:
+        response = client.post("/v1/builds", json=spec(levels=[0.5, 1.0], stages={"recover": {"settings": settings}}),
+                               headers=headers)
+        errors = {e["field"]: e["message"] for e in _is_problem(response, 422)["errors"]}
+        assert list(errors) == [field] and says in errors[field], errors
+
+    model = api.settings.home / "models" / "m"  # under the embedded default's source roots
+    good = spec(levels=[0.5, 1.0], source={"model": str(model)},
+                stages={"recover": {"settings": {"experimental": {"on_policy": 0.5, "unlikelihood": 1.0}}}})
+    created = client.post("/v1/builds", json=good, headers=headers)
+    assert created.status_code == 201, created.text
+
+
 def test_openapi_shows_every_stages_settings_schema(api):
     from api.app import default_registry
 

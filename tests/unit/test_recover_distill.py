@@ -31,7 +31,7 @@ from pipeline.elastilm.recover import (
     warm_start,
 )
 from pipeline.models.elastic import ElasticCausalLM
-from pipeline.settings import RecoverSettings
+from pipeline.settings import RecoverExperiments, RecoverSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
 
@@ -128,7 +128,7 @@ def test_auto_precision_is_bf16_on_cuda_and_on_cpus_with_native_bf16_only(monkey
 
 
 def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_only_the_lora(package):
-    views, peft_model, settings = _student(package, "0.5", on_policy=1.0, rollout_prefix=8)
+    views, peft_model, settings = _student(package, "0.5", experimental={"on_policy": 1.0, "rollout_prefix": 8})
     ids = _batches(1, seed=3)[0][0]
     rolled, labels = student_rollout(views.hf, ids, 8)
     assert rolled.shape == ids.shape and torch.equal(rolled[:, :8], ids[:, :8])
@@ -153,8 +153,8 @@ def test_on_policy_distillation_trains_on_the_levels_own_greedy_text_and_moves_o
 
 
 def test_corrected_rollout_keeps_the_levels_tokens_the_full_model_ranks_and_replaces_the_rest(package):
-    views, peft_model, settings = _student(package, "0.5", on_policy=1.0, rollout_prefix=6, rollout="corrected",
-                                           correct_top_k=16)
+    views, peft_model, settings = _student(package, "0.5", experimental={
+        "on_policy": 1.0, "rollout_prefix": 6, "rollout": "corrected", "correct_top_k": 16})
     for param in peft_model.parameters():  # a LoRA that moves the level's argmax, so student and teacher differ
         if param.requires_grad:
             torch.nn.init.normal_(param, std=0.2, generator=torch.Generator().manual_seed(1))
@@ -275,7 +275,7 @@ def test_divergences_match_their_definitions():
 
 @pytest.mark.parametrize("kind", ["reverse", "jsd"])
 def test_the_divergence_setting_reaches_the_training_loss_and_trains_only_the_lora(package, kind):
-    views, peft_model, options = _student(package, "0.5", divergence=kind, jsd_beta=0.3)
+    views, peft_model, options = _student(package, "0.5", experimental={"divergence": kind, "jsd_beta": 0.3})
     ids, labels = _batches(1, seed=6)[0]
     with torch.no_grad():
         teacher = teacher_targets(views, "1.0", peft_model, ids, labels, 1.0, 0)
@@ -405,5 +405,39 @@ def test_text_windows_match_the_named_corpus_windows(corpus):
                                  {"correct_top_k": 0, "on_policy": 0.5, "rollout": "corrected"},
                                  {"divergence": "kl"}, {"jsd_beta": 1.0}, {"jsd_beta": 0.0}])
 def test_distillation_settings_are_checked(bad):
-    with pytest.raises(ValidationError, match=next(iter(bad))):
-        RecoverSettings(level="0.5", **bad)
+    """Each bad value or combination is refused, at the setting it names (the research levers' at `experimental`)."""
+    name = next(iter(bad))
+    experimental = {key: value for key, value in bad.items() if key in RecoverExperiments.model_fields}
+    own = {key: value for key, value in bad.items() if key not in experimental}
+    with pytest.raises(ValidationError, match=name) as refused:
+        RecoverSettings(level="0.5", **own, **({"experimental": experimental} if experimental else {}))
+    assert refused.value.errors()[0]["loc"][0] == ("experimental" if name in experimental else name)
+
+
+# Every lever a screen rejected (docs/results/recovery.md, 'What was tried on recovery'); the default build uses none.
+RESEARCH_LEVERS = {"divergence": "reverse", "jsd_beta": 0.3, "lm_weight": 1.0, "on_policy": 0.5, "rollout_prefix": 8,
+                   "rollout": "corrected", "correct_top_k": 3, "unlikelihood": 1.0}
+
+
+def test_the_research_levers_are_off_under_experimental_and_refused_at_the_top():
+    defaults = RecoverSettings()
+    assert set(RecoverExperiments.model_fields) == set(RESEARCH_LEVERS)
+    assert set(RESEARCH_LEVERS).isdisjoint(RecoverSettings.model_fields)
+    assert defaults.experimental == RecoverExperiments()
+    lever = defaults.experimental
+    assert (lever.on_policy, lever.unlikelihood, lever.lm_weight) == (0.0, 0.0, 0.0)
+    assert (lever.divergence, lever.rollout) == ("forward", "student")  # plain KL on the corpus's own text
+
+    on_policy = RecoverSettings(experimental={"on_policy": 0.5})
+    assert on_policy.experimental.on_policy == 0.5 and on_policy.experimental.rollout == "student"
+    assert RecoverSettings(experimental=RESEARCH_LEVERS).experimental.model_dump() == RESEARCH_LEVERS
+    with pytest.raises(ValidationError, match="unlikelihood applies to the level's own text") as refused:
+        RecoverSettings(experimental={"unlikelihood": 1.0})  # without on_policy
+    assert refused.value.errors()[0]["loc"] == ("experimental",)
+
+    for name, value in RESEARCH_LEVERS.items():  # the old top-level names: an unknown setting, never ignored
+        with pytest.raises(ValidationError) as refused:
+            RecoverSettings(**{name: value})
+        assert [(e["loc"], e["type"]) for e in refused.value.errors()] == [((name,), "extra_forbidden")]
+    with pytest.raises(ValidationError, match="extra_forbidden|Extra inputs"):
+        RecoverSettings(experimental={"temperature": 2.0})  # a product setting is not a research lever

@@ -13,7 +13,7 @@ from device_sdk.format import read_manifest
 from device_sdk.trust import verify_package
 from pipeline.data.recovery_text import HELDOUT_FILE
 from pipeline.elastilm import evaluate
-from pipeline.settings import GENERATION_PROMPT_COUNT, ReportCardSettings
+from pipeline.settings import GENERATION_PROMPT_COUNT, RecoverSettings, ReportCardSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
 from tests.unit.sdk_packages import add_recovery_adapters, build_package, public_bytes, signing_key
@@ -47,11 +47,13 @@ def test_in_domain_reference_is_the_full_model_only_when_it_had_the_same_recover
     manifest = read_manifest(package)
     assert evaluate.in_domain_reference(manifest, [])[0]  # nothing recovered: like with like
     manifest.elastic.level("0.5").adapter = "adapters/recovery/0.5.safetensors"
-    distilled = {"settings": {"loss": "distill", "lm_weight": 0.0, "instructions": None}}
+    def recovered(**settings) -> dict:  # a recover task's metrics, as far as the reference reads them
+        return {"settings": RecoverSettings(**settings).model_dump(mode="json")}
+
+    distilled = recovered(loss="distill")
     ok, why = evaluate.in_domain_reference(manifest, [distilled])
     assert ok and "stays exactly zero" in why
-    for trained_otherwise in ({"settings": {"loss": "lm", "lm_weight": 0.0}},
-                              {"settings": {"loss": "distill", "lm_weight": 0.5}}, {}):
+    for trained_otherwise in (recovered(loss="lm"), recovered(loss="distill", experimental={"lm_weight": 0.5}), {}):
         ok, why = evaluate.in_domain_reference(manifest, [distilled, trained_otherwise])
         assert not ok and why.startswith("not reported")
     assert not evaluate.in_domain_reference(manifest, [])[0]  # recovered, and how is unknown
