@@ -25,6 +25,7 @@ ARTIFACTS = Path(__file__).parent / "artifacts"
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M as a cached fp32 HF safetensors directory."""
+    # lazy: the device SDK's tests load this conftest where only the SDK is installed
     from pipeline.assets import prepare_smollm2
 
     return prepare_smollm2()
@@ -33,6 +34,7 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
     """The loaded SmolLM2 (model, tokenizer, architecture); treat as read-only."""
+    # lazy: as smollm2_dir
     from pipeline.models.loading import load_model
 
     return load_model(smollm2_dir)

@@ -40,16 +40,22 @@ def tiny_model(kind: str, seed: int = 0, layers: int = 4):
     return model
 
 
-def byte_tokenizer():
-    """A real `tokenizers` byte-level tokenizer with a 256-symbol vocabulary, saved like HF's."""
+def byte_level_tokenizer():
+    """A `tokenizers` tokenizer with one token per byte (256 symbols); needs no transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {bytes([i]).decode("latin-1"): i for i in range(256)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="\x00"))
     core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
     core.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="\x00")
+    return core
+
+
+def byte_tokenizer():
+    """`byte_level_tokenizer` as an HF tokenizer, saved like HF's."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=byte_level_tokenizer(), eos_token="\x00")
 
 
 def save_tiny(kind: str, directory: Path, seed: int = 0) -> Path:

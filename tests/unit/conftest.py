@@ -11,9 +11,11 @@ import pytest
 def smollm2_package(smollm2, tmp_path_factory) -> Path:
     """SmolLM2 as a signed device-SDK test package, its units ordered by a small Taylor profile
     (real importance keeps the smaller levels real language models, as the int8 check needs)."""
+    # lazy: the device SDK's tests run where only the SDK is installed; this fixture is for pipeline tests
     from pipeline.elastilm.profile import ProfileSettings, profile
     from pipeline.stage import quiet_context
-    from tests.unit.sdk_packages import SMOLLM2_LEVELS, build_package, signing_key
+    from tests.unit.pipeline_packages import SMOLLM2_LEVELS, build_package
+    from tests.unit.sdk_packages import signing_key
 
     settings = ProfileSettings(windows=4, window_length=64, layer_method="block_influence")
     importance = profile(smollm2.model, smollm2.tokenizer, smollm2.architecture, settings, quiet_context())
@@ -24,12 +26,11 @@ def smollm2_package(smollm2, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def gqa_package(tmp_path_factory) -> Path:
-    """A tiny Llama-GQA package signed with `sdk_packages.signing_key()`, one per test module (some tests
-    write beside it)."""
-    from tests.unit.sdk_packages import signing_key, tiny_package
+    """A tiny Llama-GQA package of random weights signed with `sdk_packages.signing_key()`, one per test
+    module (some tests write beside it)."""
+    from tests.unit.sdk_packages import random_package, signing_key
 
-    _, path = tiny_package("llama_gqa", tmp_path_factory.mktemp("gqa") / "pkg", signing_key())
-    return path
+    return random_package("llama_gqa", tmp_path_factory.mktemp("gqa") / "pkg", signing_key())
 
 
 @pytest.fixture

@@ -68,7 +68,8 @@ class LiveAPI:
 def signed_versions(root: Path) -> dict[str, Path]:
     """Two signed versions of one tiny package: tiny 1.0.0 (with per-level adapters) and 2.0.0."""
     from tests.tiny import byte_tokenizer
-    from tests.unit.sdk_packages import add_recovery_adapters, build_package, signing_key, tiny_package
+    from tests.unit.pipeline_packages import build_package, tiny_package
+    from tests.unit.sdk_packages import add_recovery_adapters, signing_key
 
     key = signing_key(KEY_SEED)
     model, first = tiny_package("llama_gqa", root / "1.0.0", key)

@@ -26,7 +26,8 @@ from pipeline.clone.collect import (
 from pipeline.clone.search import SearchSettings, search, seed_vectors
 from pipeline.publish import publish_package
 from pipeline.stage import quiet_context
-from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import public_bytes, signing_key
 
 BUDGET = {"name": "fast", "latency": 0.7, "energy": 0.7}
 

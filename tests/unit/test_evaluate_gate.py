@@ -44,7 +44,8 @@ def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
     from pipeline.elastilm import evaluate
     from pipeline.stage import quiet_context
     from tests.tiny import byte_tokenizer, tiny_model
-    from tests.unit.sdk_packages import add_recovery_adapters, build_package, signing_key
+    from tests.unit.pipeline_packages import build_package
+    from tests.unit.sdk_packages import add_recovery_adapters, signing_key
 
     package = build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path / "pkg", signing_key(),
                             levels=[0.5, 1.0])

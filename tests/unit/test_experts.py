@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from device_sdk.experts import ExpertRouter, fit_to_width, mix
 from pipeline.clone.experts import ExpertSettings, build_experts, install_experts
 from pipeline.stage import quiet_context
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import signing_key
 
 
 def test_router_modes_and_empty_set():

@@ -12,7 +12,8 @@ from device_sdk.export import MODELING_FILE, PEFT_DIR, ExportError, export_hf, e
 from device_sdk.format import read_manifest, rewrite_manifest
 from device_sdk.runtime import ElasticModel
 from tests.reference import relative_logit_error
-from tests.unit.sdk_packages import add_recovery_adapters, sign_package, signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import add_recovery_adapters, sign_package, signing_key
 
 # fp32 logits: max |Δlogit| over the logits' scale (at least 1), as tests.reference measures the SDK
 # against transformers; the fp32 summation order alone moves SmolLM2's |z| ~ 30 logits by ~2e-4.

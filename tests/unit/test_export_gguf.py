@@ -14,7 +14,8 @@ import pytest
 from device_sdk.export import ExportError
 from device_sdk.export_gguf import export_gguf
 from device_sdk.format import read_manifest
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import signing_key
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = ROOT / ".venv-llama" / "bin" / "python"  # `make llama-cpp`; `make test` builds it beside the tests

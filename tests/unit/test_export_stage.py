@@ -18,7 +18,8 @@ from pipeline import publish
 from pipeline.elastilm import export
 from pipeline.settings import ExportSettings
 from pipeline.stage import quiet_context
-from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import sign_package, signing_key
 from workers.store import artifact_index
 
 BASE = {"source": {"model": "/models/x"}, "publish": {"name": "pkg", "version": "1.0"}, "levels": [0.5, 1.0]}

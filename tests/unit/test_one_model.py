@@ -17,7 +17,8 @@ from device_sdk.runtime import ElasticModel
 from pipeline.models.elastic import ElasticCausalLM, serving_model
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer
-from tests.unit.sdk_packages import signing_key, tiny_package
+from tests.unit.pipeline_packages import tiny_package
+from tests.unit.sdk_packages import signing_key
 
 KEY = signing_key()
 RANK, ALPHA = 4, 8.0  # scale 2

@@ -30,7 +30,8 @@ print(json.dumps({"world": dist.get_world_size(), "backend": dist.get_backend()}
 
 def test_recover_deepspeed_zero2_trains_on_cpu(tmp_path, calib_text):
     from tests.tiny import byte_tokenizer, tiny_model
-    from tests.unit.sdk_packages import build_package, signing_key
+    from tests.unit.pipeline_packages import build_package
+    from tests.unit.sdk_packages import signing_key
 
     package = build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path / "pkg", signing_key(),
                             levels=[0.5, 1.0])

@@ -42,7 +42,8 @@ FAST = {"steps": 4, "batch_size": 2, "seq_len": 32, "eval_windows": 4, "lr": 1e-
 
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> Path:
-    from tests.unit.sdk_packages import build_package, signing_key
+    from tests.unit.pipeline_packages import build_package
+    from tests.unit.sdk_packages import signing_key
 
     return build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path_factory.mktemp("pkg") / "pkg",
                          signing_key(), levels=LEVELS)

@@ -16,7 +16,8 @@ from pipeline.elastilm import evaluate
 from pipeline.settings import GENERATION_PROMPT_COUNT, RecoverSettings, ReportCardSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer, tiny_model
-from tests.unit.sdk_packages import add_recovery_adapters, build_package, public_bytes, signing_key
+from tests.unit.pipeline_packages import build_package
+from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, signing_key
 
 KEY = signing_key()
 

@@ -1,15 +1,13 @@
-"""The native ElasticLinear kernel against torch, and int8 against fp32 on SmolLM2 per level."""
+"""The native ElasticLinear kernel against torch at every width and weight format
+(int8 against fp32 on SmolLM2: test_roundtrip_sdk_runtime.py)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from device_sdk import kernels
 from device_sdk.kernels import GEMM_ROWS, WEIGHT_FORMATS, make_linear, native_linear, reference_linear
-from device_sdk.runtime import ElasticModel
 
 needs_native = pytest.mark.skipif(kernels.native_module() is None, reason="no C++ compiler on this machine")
 
@@ -91,22 +89,3 @@ def test_sdk_falls_back_to_torch_with_a_warning(monkeypatch):
 
 
 # --------------------------------------------------------------------------- int8 accuracy on SmolLM2
-
-INT8_PPL_TOLERANCE = 0.02  # relative perplexity change on PTB, the issue's bound (measured ≤ 1.4%)
-INT8_MEAN_LOGIT_TOLERANCE = 0.35  # mean |Δlogit| vs fp32 (logits span about ±30); measured ≤ 0.25
-
-
-@pytest.mark.slow
-def test_sdk_int8_close_to_fp32_per_level(smollm2_package):
-    import treebank
-
-    fp32 = ElasticModel.load(smollm2_package, allow_unsigned=True)
-    int8 = ElasticModel.load(smollm2_package, quantize="int8", allow_unsigned=True)
-    ids = torch.tensor([fp32.tokenizer.encode(treebank.penn["valid"][:3000]).ids[:192]])
-    for level in fp32.available_levels():
-        fp32.set_level(level)
-        int8.set_level(level)
-        reference, quantized = fp32.logits(ids)[0], int8.logits(ids)[0]
-        assert (quantized - reference).abs().mean().item() <= INT8_MEAN_LOGIT_TOLERANCE, level
-        ppl = [math.exp(torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:]).item()) for logits in (reference, quantized)]
-        assert abs(ppl[1] / ppl[0] - 1) <= INT8_PPL_TOLERANCE, (level, ppl)

@@ -18,7 +18,7 @@ from device_sdk import registry as registry_module
 from device_sdk.format import MANIFEST, WEIGHTS, PackageError, canonical_json, check_files
 from device_sdk.registry import pull, read_local_state
 from device_sdk.runtime import ElasticModel
-from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, signing_key, tiny_package
+from tests.unit.sdk_packages import add_recovery_adapters, public_bytes, publish, random_package, signing_key
 
 KEY = signing_key()
 
@@ -27,7 +27,7 @@ KEY = signing_key()
 def registry(tmp_path_factory) -> Path:
     """A registry directory holding one tiny package (with per-level adapters) as tiny 1.0.0 / latest."""
     root = tmp_path_factory.mktemp("registry")
-    _, package = tiny_package("qwen2_bias", root.parent / "built", KEY)
+    package = random_package("qwen2_bias", root.parent / "built", KEY)
     add_recovery_adapters(package, KEY)
     publish(package, root)
     return root

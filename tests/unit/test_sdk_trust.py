@@ -23,7 +23,7 @@ from device_sdk.format import (
 from device_sdk.registry import pull
 from device_sdk.runtime import ElasticModel
 from device_sdk.trust import TRUST_STORE_ENV, TrustStore, verify_package
-from tests.unit.sdk_packages import public_bytes, publish, signing_key, tiny_package
+from tests.unit.sdk_packages import public_bytes, publish, random_package, signing_key
 
 KEY = signing_key()
 KEY_B64 = base64.b64encode(public_bytes(KEY)).decode()
@@ -34,7 +34,7 @@ OTHER_B64 = base64.b64encode(public_bytes(OTHER)).decode()
 @pytest.fixture(scope="module")
 def signed(tmp_path_factory) -> Path:
     """A tiny package named "tiny", signed with KEY."""
-    return tiny_package("llama_gqa", tmp_path_factory.mktemp("trust") / "pkg", KEY)[1]
+    return random_package("llama_gqa", tmp_path_factory.mktemp("trust") / "pkg", KEY)
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ from device_sdk.trust import verify_package
 def test_tlm_install_into_package_and_load_back(tmp_path):
     from pipeline.elastilm.tlm import install_tlm, load_tlm, new_tlm, save_tlm, slo_embedding_rows
     from tests.tiny import byte_tokenizer, tiny_model
-    from tests.unit.sdk_packages import build_package, signing_key
+    from tests.unit.pipeline_packages import build_package
+    from tests.unit.sdk_packages import signing_key
 
     package = build_package(tiny_model("llama_gqa"), byte_tokenizer(), tmp_path / "pkg", signing_key(),
                             levels=[0.5, 1.0])

@@ -449,7 +449,8 @@ def test_profile_keeps_the_tlm_time_through_json(tmp_path):
 
 def _package_with_utility_tlm(tmp_path, favourite: tuple[float, str]):
     from pipeline.elastilm.tlm import install_tlm, new_tlm, save_tlm
-    from tests.unit.sdk_packages import sign_package, signing_key, tiny_package
+    from tests.unit.pipeline_packages import tiny_package
+    from tests.unit.sdk_packages import sign_package, signing_key
 
     key = signing_key()
     _, package = tiny_package("llama_gqa", tmp_path / "pkg", key)
