@@ -9,7 +9,15 @@ from pydantic import ValidationError
 
 from cluster.registry import Registry
 from cluster.spec import BuildSpec, SpecError, StageSpec, validation_problems
-from pipeline.contract import SOURCE_PREFIX, Shard, Stage, StageSettings, input_refs
+from pipeline.contract import (
+    SOURCE_PREFIX,
+    Shard,
+    Stage,
+    StageSettings,
+    dependency_order,
+    enabled_stages,
+    resolve_inputs,
+)
 
 
 @dataclass(frozen=True)
@@ -34,46 +42,9 @@ class PlannedStage:
     inputs: dict[str, UpstreamInput | ExternalPath] = field(default_factory=dict)
 
 
-def _source(spec: BuildSpec, name: str) -> str | None:
-    value = getattr(spec.source, name, None)
-    return str(value) if value is not None else None
-
-
-def enabled_stages(spec: BuildSpec, registry: Registry) -> list[Stage]:
-    given = spec.given_stages()
-    return [s for s in registry if (given[s.name].enabled if s.name in given else s.enabled_by_default)]
-
-
-def _topological(stages: list[Stage], problems: list[tuple[str, str]]) -> list[Stage]:
-    by_name = {s.name: s for s in stages}
-    ordered, state = [], {}
-
-    def visit(stage: Stage, path: tuple[str, ...]) -> None:
-        if state.get(stage.name) == "done":
-            return
-        if state.get(stage.name) == "active":
-            problems.append((f"stages.{stage.name}", f"dependency cycle: {' -> '.join(path + (stage.name,))}"))
-            return
-        state[stage.name] = "active"
-        for refs in stage.inputs.values():
-            for ref in input_refs(refs):
-                upstream = ref.split(".", 1)[0]
-                if not ref.startswith(SOURCE_PREFIX) and upstream in by_name:
-                    visit(by_name[upstream], path + (stage.name,))
-        state[stage.name] = "done"
-        ordered.append(stage)
-
-    for stage in stages:
-        visit(stage, ())
-    return ordered
-
-
-def _first_enabled(refs: tuple[str, ...], shards_of: dict) -> str:
-    """The first alternative whose producer is planned (or a source); else the first, for the error message."""
-    for ref in refs:
-        if ref.startswith(SOURCE_PREFIX) or ref.partition(".")[0] in shards_of:
-            return ref
-    return refs[0]
+def _sources(spec: BuildSpec) -> dict[str, str]:
+    """The spec's `source` fields that are set, as the strings a stage input is handed."""
+    return {name: str(value) for name, value in spec.source if value is not None}
 
 
 def _shard_key(stage: str, label: str) -> str:
@@ -113,39 +84,32 @@ def _sibling_order(stage: Stage, shards: list[Shard]) -> tuple[list[Shard], list
 def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
     """Validate the spec against the registry and expand it into DAG nodes in dependency order."""
     problems: list[tuple[str, str]] = []
-    for name in spec.given_stages():
+    given = spec.given_stages()
+    for name in given:
         if name not in registry:
             problems.append((f"stages.{name}", f"unknown stage; registered stages: {sorted(r.name for r in registry)}"))
-    stages = _topological(enabled_stages(spec, registry), problems)
+    stages = dependency_order(enabled_stages(registry, {name: own.enabled for name, own in given.items()}), problems)
+    sources = _sources(spec)
     planned: list[PlannedStage] = []
     shards_of: dict[str, list[PlannedStage]] = {}
     for stage in stages:
-        own = spec.given_stages().get(stage.name) or StageSpec()
+        own = given.get(stage.name) or StageSpec()
         try:
             settings = stage.settings_for(spec, own.settings)
         except ValidationError as err:
             problems += validation_problems(err.errors(), ("stages", stage.name, "settings"), registry)
             settings = None
         inputs: dict[str, UpstreamInput | ExternalPath] = {}
-        for name, refs in stage.inputs.items():
-            ref = _first_enabled(input_refs(refs), shards_of)
+        for name, ref in resolve_inputs(stage, sources, shards_of, problems).items():
             producer, _, output = ref.partition(".")
             if ref.startswith(SOURCE_PREFIX):
-                path = _source(spec, output)
-                if path is None and name in stage.optional_inputs:
-                    continue
-                if path is None:
-                    problems.append((f"source.{output}", f"required by stage {stage.name}"))
-                else:
-                    inputs[name] = ExternalPath(path)
-            elif producer in shards_of:
-                upstream = shards_of[producer]
-                if len(upstream) == 1 and upstream[0].shard is None:
-                    inputs[name] = UpstreamInput(upstream[0].key, output)
-                else:
-                    inputs.update({f"{name}.{u.shard}": UpstreamInput(u.key, output) for u in upstream})
-            elif name not in stage.optional_inputs:
-                problems.append((f"stages.{stage.name}", f"input {name!r} needs stage {producer!r}, which is not enabled"))
+                inputs[name] = ExternalPath(sources[output])
+                continue
+            upstream = shards_of[producer]
+            if len(upstream) == 1 and upstream[0].shard is None:
+                inputs[name] = UpstreamInput(upstream[0].key, output)
+            else:
+                inputs.update({f"{name}.{u.shard}": UpstreamInput(u.key, output) for u in upstream})
         if problems:
             shards_of[stage.name] = []  # keep going to report every problem, not knock-on ones
             continue

@@ -13,13 +13,15 @@ recover`) only when a worker calls it. The import is a plain statement, so the i
 test and a reader see the edge, and the function pickles by reference through Ray.
 
 `cluster/` runs any `Stage` it is given (cluster.registry) and names none: `api/` hands it
-`pipeline.chain.STAGES`. This module, like `pipeline.settings` and `pipeline.chain`, imports
-only pydantic and the standard library.
+`pipeline.chain.STAGES`. The rules that make stages a chain (which are on, in what order, what each
+input reads) are here too, so that the DAG planner (cluster.dag) and the in-process runner
+(workers.inprocess) wire a chain the same way. This module, like `pipeline.settings` and
+`pipeline.chain`, imports only pydantic and the standard library.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -167,3 +169,61 @@ class Stage:
 
     def shard_settings(self, settings: StageSettings, shard: Shard) -> StageSettings:
         return self.settings.model_validate({**settings.model_dump(), **shard.settings})
+
+
+# --------------------------------------------------------------------------- which stages run, in what order, reading what
+
+Problem = tuple[str, str]  # (the spec field at fault, e.g. "stages.recover", what is wrong)
+
+
+def enabled_stages(stages: Iterable[Stage], given: Mapping[str, bool]) -> list[Stage]:
+    """The stages a build runs: those `given` switches on, and the others that are on by default."""
+    return [s for s in stages if given.get(s.name, s.enabled_by_default)]
+
+
+def dependency_order(stages: list[Stage], problems: list[Problem]) -> list[Stage]:
+    """`stages`, each after every one of them whose outputs it reads; a cycle is added to `problems`."""
+    by_name = {s.name: s for s in stages}
+    ordered, state = [], {}
+
+    def visit(stage: Stage, path: tuple[str, ...]) -> None:
+        if state.get(stage.name) == "done":
+            return
+        if state.get(stage.name) == "active":
+            problems.append((f"stages.{stage.name}", f"dependency cycle: {' -> '.join(path + (stage.name,))}"))
+            return
+        state[stage.name] = "active"
+        for refs in stage.inputs.values():
+            for ref in input_refs(refs):
+                upstream = ref.split(".", 1)[0]
+                if not ref.startswith(SOURCE_PREFIX) and upstream in by_name:
+                    visit(by_name[upstream], path + (stage.name,))
+        state[stage.name] = "done"
+        ordered.append(stage)
+
+    for stage in stages:
+        visit(stage, ())
+    return ordered
+
+
+def resolve_inputs(stage: Stage, sources: Mapping[str, str], produced: Container[str],
+                   problems: list[Problem]) -> dict[str, str]:
+    """Input -> the ref it reads: "source.<field>" (a field set in `sources`) or "<stage>.<output>" (a stage
+    in `produced`, i.e. enabled and before this one). Of alternatives, the first that is a source or
+    produced wins. An optional input with nothing to read is left out; a required one is a problem."""
+    chosen = {}
+    for name, refs in stage.inputs.items():
+        alternatives = input_refs(refs)
+        ref = next((r for r in alternatives if r.startswith(SOURCE_PREFIX) or r.partition(".")[0] in produced),
+                   alternatives[0])
+        producer, _, output = ref.partition(".")
+        from_source = ref.startswith(SOURCE_PREFIX)
+        if sources.get(output) is not None if from_source else producer in produced:
+            chosen[name] = ref
+        elif name in stage.optional_inputs:
+            continue
+        elif from_source:
+            problems.append((f"source.{output}", f"required by stage {stage.name}"))
+        else:
+            problems.append((f"stages.{stage.name}", f"input {name!r} needs stage {producer!r}, which is not enabled"))
+    return chosen

@@ -52,8 +52,9 @@ def load_private_key(pem: str | bytes):
 
 def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[str, Path] | None = None,
                     exports: Path | None = None) -> Path:
-    """Write a signed copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry
-    and the export stage's output, if any, beside it (not in the manifest)."""
+    """Write a copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry, signed
+    with `private_key` (None: left unsigned), and the export stage's output, if any, beside it (not in the
+    manifest)."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     extras = extras or {}
     unknown = sorted(set(extras) - set(INSTALLERS))
@@ -66,8 +67,9 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[
     for name, install in INSTALLERS.items():
         if name in extras:
             install(staging, Path(extras[name]))
-    manifest = sign_manifest(read_manifest(staging), private_key)
-    atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
+    if private_key is not None:
+        manifest = sign_manifest(read_manifest(staging), private_key)
+        atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
     if exports is not None:
         install_exports(staging, Path(exports))
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -77,14 +79,17 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[
 
 def run(inputs: dict[str, Path], settings: StageSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"package", optional extras (see INSTALLERS)} -> {"package"}, signed with
-    ctx.runtime["signing_key"] (Ed25519 private key, PEM). Publish has no settings of its own."""
+    ctx.runtime["signing_key"] (Ed25519 private key, PEM). Publish has no settings of its own.
+
+    The scheduler always hands over the deployment's key (it refuses to dispatch without one); only a
+    build run in-process without a key (`elastify elastify`) writes an unsigned package.
+    """
     signing_key = ctx.runtime.get("signing_key")
-    if not signing_key:
-        raise ValueError("publish needs a signing_key (Ed25519 private key, PEM)")
     extras = {name: Path(path) for name, path in inputs.items() if name not in ("package", "exports")}
     exports = Path(inputs["exports"]) if "exports" in inputs else None
-    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package", load_private_key(signing_key), extras,
-                          exports)
-    ctx.logger.info("installed %s and signed the manifest of %s%s", sorted(extras) or "nothing", out,
+    out = publish_package(Path(inputs["package"]), ctx.work_dir / "package",
+                          load_private_key(signing_key) if signing_key else None, extras, exports)
+    ctx.logger.info("installed %s and %s the manifest of %s%s", sorted(extras) or "nothing",
+                    "signed" if signing_key else "did not sign (no signing key)", out,
                     "; exports beside it" if exports is not None else "")
     return {"package": out}

@@ -1,8 +1,10 @@
-"""Commands that run pipeline stages in this process: `assets prepare` and `elastify`."""
+"""Commands that run pipeline stages in this process: `assets prepare`, and `elastify` (the chain, in-process)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -10,10 +12,15 @@ import typer
 from rich.table import Table
 
 from api.progress import configure_logging, console, fail, progress_bars
-from device_sdk.format import DEFAULT_LEVELS
+from device_sdk.format import DEFAULT_LEVELS, read_manifest, swap_into_place
+from pipeline.chain import STAGES
+from pipeline.contract import StageSettings
+from pipeline.settings import ElastifySettings, ProfileSettings, ReportCardSettings
+from workers.inprocess import ChainError, StageFailed, run_chain
 
 assets_app = typer.Typer(no_args_is_help=True, help="Real models and data that ship as packages.")
 log = logging.getLogger("elastify")
+EVAL_WINDOW_LENGTH = 256  # tokens per evaluation window, as the command has always measured perplexity
 
 
 @assets_app.command("prepare")
@@ -54,63 +61,69 @@ def elastify_command(
     seed: int = typer.Option(0),
     overwrite: bool = typer.Option(False, help="replace an existing package directory"),
 ) -> None:
-    """Profile importance, pick anchors, reorder unit-major and write an elastic package."""
-    # lazy: torch and the pipeline load only when this command runs (api imports without torch)
-    from pipeline.data.calibration import CalibrationError
-    from pipeline.elastilm.elastify import ElastifyError, ElastifySettings, elastify
-    from pipeline.elastilm.evaluate import EvaluateSettings, apply_quality, evaluate_package
-    from pipeline.elastilm.profile import ProfileSettings, profile
-    from pipeline.models.loading import ModelLoadError, load_model
-    from pipeline.stage import StageContext
+    """Profile importance, pick anchors, reorder unit-major and write an elastic package.
 
+    Runs the chain's smallest build (pipeline.chain: profile → elastify → evaluate → publish) in this
+    process through workers.inprocess, without a signing key: the package is unsigned. Evaluation is
+    the chain's report card at its cheapest, perplexity per level written into the manifest.
+    """
     configure_logging()
     try:  # a bad setting is a pydantic ValidationError (a ValueError) naming the field
-        elastic_settings = ElastifySettings(
-            levels=_float_list(levels, "--levels"), anchor_fraction=anchor_fraction, align=align, order=order, seed=seed
-        )
-        profile_settings = ProfileSettings(
-            calibration=calib, windows=windows, window_length=window_length, seed=seed, taylor=taylor,
-            layer_method=layer_method,
-        )
-        if out.exists() and not overwrite:
-            fail(f"{out} already exists (use --overwrite to replace it)")
-        started = time.perf_counter()
-        with progress_bars() as on_progress:
-            ctx = StageContext(work_dir=out.parent, on_progress=on_progress, logger=log)
-            ctx.report("load model", 0, 1)
-            loaded = load_model(model)
-            ctx.report("load model", 1, 1)
-            importance = profile(loaded.model, loaded.tokenizer, loaded.architecture, profile_settings, ctx)
-            manifest = elastify(
-                loaded.model, loaded.tokenizer, loaded.architecture, importance, elastic_settings, out,
-                name=name, version=version, source=loaded.source, ctx=ctx, overwrite=overwrite,
+        settings: dict[str, StageSettings] = {
+            "profile": ProfileSettings(calibration=calib, windows=windows, window_length=window_length, seed=seed,
+                                       taylor=taylor, layer_method=layer_method),
+            "elastify": ElastifySettings(levels=_float_list(levels, "--levels"), anchor_fraction=anchor_fraction,
+                                         align=align, order=order, seed=seed, name=name, version=version),
+        }
+        if eval_windows > 0:
+            settings["evaluate"] = ReportCardSettings(
+                corpora=eval_corpus, windows=eval_windows, window_length=EVAL_WINDOW_LENGTH, tasks=[],
+                generation_prompts=0, measure_latency=False, gate=False,
             )
-            quality = {}
-            if eval_windows > 0:
-                report = evaluate_package(out, EvaluateSettings(corpus=eval_corpus, windows=eval_windows), ctx)
-                apply_quality(out, report)
-                quality = report["levels"]
-    except (ModelLoadError, CalibrationError, ElastifyError, ValueError) as err:
+    except ValueError as err:
         fail(str(err))
-    _summary(manifest, quality, time.perf_counter() - started, out)
+    if out.exists() and not overwrite:
+        fail(f"{out} already exists (use --overwrite to replace it)")
+    enabled = {stage.name: stage.name in settings or stage.name == "publish" for stage in STAGES}
+    started = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # The stages work beside `out` (one filesystem), and the finished package is renamed into place.
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.", dir=out.parent) as work:
+        try:
+            with progress_bars() as on_progress:
+                outputs = run_chain(STAGES, enabled=enabled, settings=settings, sources={"model": model},
+                                    work_dir=Path(work), on_progress=on_progress, logger=log)
+        except StageFailed as err:
+            if not isinstance(err.error, ValueError):  # not bad input: a bug or the machine, with its traceback
+                raise
+            fail(str(err))
+        except ChainError as err:
+            fail(str(err))
+        card = outputs.get("evaluate", {}).get("report_card")
+        quality = json.loads(card.read_text())["levels"] if card else {}
+        swap_into_place(outputs["publish"]["package"], out)
+    _summary(read_manifest(out), quality, time.perf_counter() - started, out)
 
 
 def _summary(manifest, quality: dict, seconds: float, out: Path) -> None:
+    """`quality`: the report card's rows by level ({} when evaluation was skipped)."""
     el = manifest.elastic
     console.print(f"anchor layers: {el.anchor_layers}  (by {el.importance['settings']['layer_method']})")
+    corpora = list(dict.fromkeys(key for row in quality.values() for key in row if key.startswith("ppl:")))
     table = Table(title=f"{manifest.name} {manifest.version}: levels")
-    for column in ("level", "active params", "active fraction", "attn groups (min..max)", "mlp neurons (min..max)", "ppl"):
+    for column in ("level", "active params", "active fraction", "attn groups (min..max)", "mlp neurons (min..max)"):
         table.add_column(column, justify="right")
+    for key in corpora or ["ppl"]:
+        table.add_column("ppl" if len(corpora) <= 1 else key.replace(":", " ", 1), justify="right")
     for level in el.levels:
-        ppl = quality.get(level.name)
+        row = quality.get(level.name, {})
         table.add_row(
             level.name,
             f"{level.active_params / 1e6:.1f}M",
             f"{level.active_fraction:.3f}",
             f"{min(level.attn_units)}..{max(level.attn_units)}",
             f"{min(level.mlp_units)}..{max(level.mlp_units)}",
-            "-" if ppl is None else f"{ppl:.2f}",
+            *("-" if row.get(key) is None else f"{row[key]:.2f}" for key in corpora or ["ppl"]),
         )
     console.print(table)
     console.print(f"package written to {out} in {seconds:.1f} s")
-
