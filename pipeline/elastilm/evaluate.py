@@ -1,6 +1,6 @@
-"""Stages `evaluate-light` (perplexity per level) and `evaluate` (the report card and publish gate).
+"""Stage `evaluate`: the report card per level and the publish gate.
 
-Both evaluate the device SDK's own model (`pipeline.models.elastic.serving_model`), so the report
+It evaluates the device SDK's own model (`pipeline.models.elastic.serving_model`), so the report
 card's numbers are what a device computes. The report is a separate file; `apply_quality` folds
 it into a manifest before publishing.
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +30,7 @@ from pipeline.elastilm.label import answer_correct
 from pipeline.elastilm.latency import measure_level_points, profile_from_dict, profile_from_manifest
 from pipeline.errors import PipelineError
 from pipeline.models.elastic import serving_model
-from pipeline.models.scoring import LOGIT_CHUNK, perplexity
+from pipeline.models.scoring import LOGIT_CHUNK
 from pipeline.settings import ReportCardSettings
 from pipeline.stage import StageContext
 
@@ -78,65 +77,24 @@ GENERATION_PROMPTS = (
 )
 
 
-@dataclass
-class EvaluateSettings:
-    corpus: list[str] = field(default_factory=lambda: ["ptb:test"])
-    windows: int = 16
-    window_length: int = 256
-    seed: int = 1
-    batch_size: int = 4
-    levels: list[str] | None = None  # None: every level of the package
-
-
-def level_perplexities(model: ElasticModel, tokenizer, settings: EvaluateSettings, ctx: StageContext) -> dict:
-    """Perplexity per level, each with its recovery LoRA when the package has one (as a device runs it)."""
-    windows = make_windows(tokenizer, settings.corpus, settings.windows, settings.window_length, settings.seed)
-    names = settings.levels or [level.name for level in model.manifest.elastic.levels]
-    results = {}
-    for name in ctx.track(names, "evaluate levels (perplexity)"):
-        model.set_level(name)
-        results[name] = perplexity(model, windows, settings.batch_size)
-    return results
-
-
-def evaluate_package(package_dir: Path, settings: EvaluateSettings, ctx: StageContext) -> dict:
-    from transformers import AutoTokenizer
-
-    model = serving_model(package_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
-    key = f"ppl:{'+'.join(settings.corpus)}"
-    per_level = level_perplexities(model, tokenizer, settings, ctx)
-    return {"metric": key, "windows": settings.windows, "window_length": settings.window_length, "levels": per_level}
-
-
 def apply_quality(package_dir: Path, report: dict) -> None:
     """Record a report's per-level quality in the manifest (file table refreshed, atomic).
 
-    Takes either report: `evaluate-light`'s {metric, levels: {name: ppl}} or the report card's
-    {levels: {name: {"ppl:<corpus>": …, "ppl_ratio:<corpus>": …, "accuracy": …, "usable": …, …}}}
-    (its perplexities, ratios to the full model, accuracy, generation health, and usable verdict).
+    The report card's {levels: {name: {"ppl:<corpus>": …, "ppl_ratio:<corpus>": …, "accuracy": …,
+    "usable": …, …}}}: its perplexities, ratios to the full model, accuracy, generation health, and
+    usable verdict.
     """
     manifest = read_manifest(package_dir)
     for level in manifest.elastic.levels:
         row = report["levels"].get(level.name)
         if row is None:
             continue
-        if not isinstance(row, dict):
-            row = {report["metric"]: row}
         for key, value in row.items():
             if value is not None and (key.startswith(("ppl:", "ppl_ratio:")) or key in QUALITY_KEYS):
                 level.quality[key] = round(float(value), 4)
         if "usable" in row:
             level.usable = bool(row["usable"])
     rewrite_manifest(package_dir, manifest)
-
-
-def run(inputs: dict[str, Path], settings: dict, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"package": dir} -> outputs {"report": report.json}."""
-    report = evaluate_package(Path(inputs["package"]), EvaluateSettings(**settings), ctx)
-    out = ctx.work_dir / REPORT_FILE
-    atomic_write_bytes(out, json.dumps(report, indent=2).encode())
-    return {"report": out}
 
 
 # --------------------------------------------------------------------------- stage `evaluate`: the report card and the gate
@@ -364,7 +322,8 @@ def plot_quality(card: dict, path: Path) -> Path:
     right.set(xlabel="active fraction", ylabel="fraction", title="Accuracy and generation health", ylim=(0, 1))
     for axis in (left, right):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        if axis.get_legend_handles_labels()[0]:  # a cheap card (perplexity only) leaves the right panel empty
+            axis.legend(fontsize=8)
     fig.suptitle("Quality per level (hollow: not usable)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from device_sdk.format import read_manifest
 from device_sdk.lora import AdapterError, adapter_scale, read_adapter
 from device_sdk.runtime import ElasticModel
 from pipeline.models.elastic import ElasticCausalLM, serving_model
+from pipeline.settings import ReportCardSettings
 from pipeline.stage import quiet_context
 from tests.tiny import byte_tokenizer
 from tests.unit.pipeline_packages import tiny_package
@@ -133,12 +134,14 @@ def test_evaluate_latency_and_label_run_the_sdk_model(tmp_path, calib_text, monk
         monkeypatch.setattr(stage, "serving_model", spy)
 
     # evaluate: each level's perplexity is the SDK model's, with that level's LoRA
-    settings = evaluate.EvaluateSettings(corpus=[str(calib_text)], windows=2, window_length=24)
-    report = evaluate.evaluate_package(package, settings, quiet_context(tmp_path))
+    settings = ReportCardSettings(corpora=[str(calib_text)], windows=2, window_length=24, tasks=[],
+                                  generation_prompts=0, measure_latency=False)
+    card = evaluate.report_card(package, settings, quiet_context(tmp_path))
     assert len(loaded) == 1 and isinstance(loaded[0], ElasticModel)
-    windows = make_windows(byte_tokenizer(), [str(calib_text)], 2, 24, settings.seed)
+    windows = make_windows(byte_tokenizer(), str(calib_text), 2, 24, settings.seed)
     reference = serving_model(package)
-    for level, ppl in report["levels"].items():
+    for level, row in card["levels"].items():
+        ppl = row[f"ppl:{calib_text}"]
         reference.set_level(level)
         with torch.no_grad():
             hidden = reference.transformer.hidden_states(windows)
