@@ -36,7 +36,7 @@ services:
 	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
 # llama.cpp builds from source (~10 min of one core) beside the tests, which are mostly serial: the
-# one module that runs it (tests/unit/test_export_gguf.py) waits for the build's stamp.
+# one module that runs it (tests/unit/pipeline/test_roundtrip_export_gguf.py) waits for the build's stamp.
 LLAMA_BUILD_LOG = $(LLAMA_VENV)-build.log
 test: assets lint services
 	@$(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \

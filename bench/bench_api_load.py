@@ -31,7 +31,7 @@ from sqlalchemy import delete, func, select
 
 from bench.common import ROOT, console, print_table, write_results
 from cluster.models import Build, Event, Stage, StageInput
-from tests.integration import services
+from tests.support import services
 
 MIX = {"submit": 0.25, "replay": 0.05, "list": 0.25, "get": 0.25, "usage": 0.20}
 
@@ -40,7 +40,7 @@ def bench_app():
     """The app each uvicorn worker builds: settings from BENCH_* variables, the cheap test registry."""
     from api.app import create_app
     from cluster.settings import Settings
-    from tests.integration.control_plane import chain_registry
+    from tests.support.control_plane import chain_registry
 
     home = Path(os.environ["BENCH_API_HOME"])
     settings = Settings(home=home, database_url=os.environ["BENCH_API_DATABASE_URL"], store_url=str(home / "store"))

@@ -25,13 +25,13 @@ from pathlib import Path
 from bench.bench_device import bench_package, sign_copy
 from bench.common import console, print_table, write_results
 from device_sdk.registry import pull, read_local_state
-from tests.integration import services
+from tests.support import services
 
 
 def serve_api(home: str, database_url: str, port: int) -> None:
     from api.app import ServerThread, create_app
     from cluster.settings import Settings
-    from tests.integration.control_plane import chain_registry
+    from tests.support.control_plane import chain_registry
 
     app = create_app(Settings(home=Path(home), database_url=database_url), chain_registry(), ready_checks={})
     with ServerThread(app, port=port):
@@ -63,8 +63,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=4, help="parallel range fetches per pull")
     args = parser.parse_args()
     # Here, not at the top: the spawned servers import this module, and the static bucket needs none of the API.
-    from tests.api_support import make_api
-    from tests.unit.live_api import LiveAPI
+    from tests.support.api import make_api
+    from tests.support.live_api import LiveAPI
 
     load_before = os.getloadavg()
     home = Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify"))

@@ -114,7 +114,7 @@ def _timed_collection(workers, package, own, shards, home, run) -> tuple[float, 
 
     from cluster.models import Stage
     from cluster.settings import Settings
-    from tests.integration import services
+    from tests.support import services
 
     with services.ray_head(num_cpus=workers, num_gpus=0):
         # The scheduler's production settings: the tests' fast polling costs a worker ~10% of a

@@ -234,7 +234,7 @@ def ray_labelling_seconds(package: Path, tlm_dir: Path, workers: int, shards: in
     import ray
 
     from pipeline.chain import run_label
-    from tests.integration import services
+    from tests.support import services
     from workers.ray_tasks import submit
     from workers.runner import ExternalInput, StageTask
     from workers.store import StoreConfig

@@ -29,8 +29,8 @@ from cluster.service import submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
 from pipeline.contract import Resources, Shard
-from tests.integration import services
-from tests.integration.control_plane import FAST, chain_registry
+from tests.support import services
+from tests.support.control_plane import FAST, chain_registry
 from workers import testing
 
 

@@ -1,6 +1,6 @@
 """Real services for integration tests, started once for this package: PostgreSQL, SeaweedFS (S3) and Ray.
 
-Nothing here is mocked; see tests/integration/services.py for how each one starts and stops. Package
+Nothing here is mocked; see tests/support/services.py for how each one starts and stops. Package
 scope, not session: they stop when the last integration test is done, so Ray's idle workers and the
 servers do not take CPU from the unit tests that run after them.
 """
@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from tests.integration import services
+from tests.support import services
 
 
 @pytest.fixture(scope="package")

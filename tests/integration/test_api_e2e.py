@@ -14,9 +14,9 @@ from api.auth import create_token
 from cluster.packages import alias_key
 from device_sdk.format import MANIFEST
 from device_sdk.trust import verify_package
-from tests.api_support import sse_events
-from tests.integration import services
-from tests.integration.control_plane import make_settings, small_elastic_spec, started
+from tests.support import services
+from tests.support.api import sse_events
+from tests.support.control_plane import make_settings, small_elastic_spec, started
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,8 +13,8 @@ from sqlalchemy import func, select
 from api.app import ServerThread
 from cluster.models import Build
 from cluster.service import set_quota
-from tests.api_support import make_api, spec
-from tests.integration import services
+from tests.support import services
+from tests.support.api import make_api, spec
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +85,7 @@ def test_concurrent_first_submissions_of_a_new_tenant_all_succeed(postgres_serve
     from cluster.db import make_engine, migrate, session_factory
     from cluster.service import submit
     from cluster.spec import parse_spec
-    from tests.integration.control_plane import chain_registry
+    from tests.support.control_plane import chain_registry
 
     url = services.create_database(postgres_server, f"t_{uuid.uuid4().hex[:10]}")
     migrate(url)

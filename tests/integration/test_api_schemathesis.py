@@ -18,8 +18,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from api.app import ServerThread
-from tests.api_support import finish_build, make_api, publish_files, spec
-from tests.integration import services
+from tests.support import services
+from tests.support.api import finish_build, make_api, publish_files, spec
 
 pytestmark = pytest.mark.integration
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from pipeline.chain import ELASTILM_STAGES
-from tests.integration import services
-from tests.tiny import save_tiny
+from tests.support import services
+from tests.support.tiny import save_tiny
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,8 @@ import pytest
 from device_sdk.client import ElastifyClient
 from device_sdk.format import WEIGHTS
 from device_sdk.registry import pull, read_local_state, verify_local
-from tests.unit.live_api import KEY_SEED, api_with_packages
-from tests.unit.sdk_packages import public_bytes, signing_key
+from tests.support.live_api import KEY_SEED, api_with_packages
+from tests.support.sdk_packages import public_bytes, signing_key
 
 pytestmark = pytest.mark.integration
 KEY = public_bytes(signing_key(KEY_SEED))

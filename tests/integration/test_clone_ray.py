@@ -14,9 +14,9 @@ from cluster.scheduler import Scheduler
 from cluster.service import build_summary, submit_build
 from cluster.settings import Settings
 from cluster.spec import parse_spec
-from tests.integration.control_plane import FAST
-from tests.unit.pipeline_packages import tiny_package
-from tests.unit.sdk_packages import signing_key
+from tests.support.control_plane import FAST
+from tests.support.pipeline_packages import tiny_package
+from tests.support.sdk_packages import signing_key
 
 pytestmark = pytest.mark.integration
 

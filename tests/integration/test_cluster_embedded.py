@@ -13,7 +13,7 @@ from cluster.settings import Settings
 from cluster.spec import parse_spec
 from device_sdk.trust import verify_package
 from pipeline.chain import ELASTILM_STAGES
-from tests.tiny import save_tiny
+from tests.support.tiny import save_tiny
 
 pytestmark = pytest.mark.integration
 
@@ -58,7 +58,7 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
 def test_a_stopped_scheduler_hands_its_stages_back_and_the_next_one_finishes(tmp_path, ray_cluster):
     from cluster.db import migrate
     from cluster.registry import Registry
-    from tests.integration.control_plane import FAST, spec_for
+    from tests.support.control_plane import FAST, spec_for
     from workers import testing
 
     pid_file = tmp_path / "pid"

@@ -18,8 +18,8 @@ from cluster.registry import Registry
 from cluster.service import build_summary, cancel_build, submit_build
 from cluster.spec import parse_spec
 from pipeline.contract import Resources
-from tests.integration.control_plane import chain_registry, journal_lines, make_settings, spec_for, started
-from tests.integration.services import free_port
+from tests.support.control_plane import chain_registry, journal_lines, make_settings, spec_for, started
+from tests.support.services import free_port
 from workers import testing
 from workers.store import ArtifactRef, StoreConfig
 

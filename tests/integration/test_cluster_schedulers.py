@@ -16,16 +16,16 @@ from sqlalchemy import func, select
 from cluster.db import make_engine, session_factory
 from cluster.models import Attempt, Build
 from cluster.service import build_summary, submit_build
-from tests.integration.control_plane import chain_registry, journal_lines, spec_for
+from tests.support.control_plane import chain_registry, journal_lines, spec_for
 from workers import testing
 
 pytestmark = pytest.mark.integration
-SCRIPT = Path(__file__).with_name("scheduler_process.py")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _scheduler(env, url: str, store: Path, registry: str, *flags: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(SCRIPT), url, str(store), registry, *flags], env=env,
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", "tests.support.scheduler_process", url, str(store), registry, *flags], env=env,
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
 
 
 def _wait(condition, timeout: float, what: str, processes=()) -> None:

@@ -14,7 +14,7 @@ from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
 from device_sdk.trust import verify_package
-from tests.integration.control_plane import make_settings, small_elastic_spec, started
+from tests.support.control_plane import make_settings, small_elastic_spec, started
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

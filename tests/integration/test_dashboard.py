@@ -16,9 +16,9 @@ from api.app import ServerThread, create_app
 from api.auth import create_token
 from device_sdk.client import ElastifyClient
 from pipeline.contract import Resources
-from tests.api_support import spec
-from tests.integration import services
-from tests.integration.control_plane import chain_registry, make_settings, started
+from tests.support import services
+from tests.support.api import spec
+from tests.support.control_plane import chain_registry, make_settings, started
 from workers import testing
 
 pytestmark = pytest.mark.integration

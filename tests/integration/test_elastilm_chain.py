@@ -19,7 +19,7 @@ from cluster.spec import parse_spec
 from device_sdk.latency import SLO
 from device_sdk.runtime import ElasticModel
 from device_sdk.tlm import TLM
-from tests.integration.control_plane import make_settings, started
+from tests.support.control_plane import make_settings, started
 from workers.store import ArtifactRef
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -18,8 +18,8 @@ import pytest
 from cluster.db import make_engine, session_factory
 from cluster.service import build_summary
 from pipeline.chain import ELASTILM_STAGES
-from tests.integration import services
-from tests.tiny import save_tiny
+from tests.support import services
+from tests.support.tiny import save_tiny
 
 pytestmark = pytest.mark.integration
 ELASTIFY = str(services.VENV_BIN / "elastify")

@@ -1,5 +1,5 @@
 """Issue 16's probe in `make test`: a hostile tenant's inputs against a live `elastify up` on the session's
-PostgreSQL, SeaweedFS and Ray (tests/probe_service.py) are all refused, nothing hangs, /healthz keeps
+PostgreSQL, SeaweedFS and Ray (tests/support/probe_service.py) are all refused, nothing hangs, /healthz keeps
 answering, and nothing they sent is left in the database or the store."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import uuid
 
 import pytest
 
-from tests.integration import services
-from tests.probe_service import probe
+from tests.support import services
+from tests.support.probe_service import probe
 
 pytestmark = pytest.mark.integration
 

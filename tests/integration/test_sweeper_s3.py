@@ -10,10 +10,10 @@ import pytest
 from cluster.models import Artifact, Attempt, utcnow
 from cluster.scheduler import Scheduler
 from cluster.sweeper import attempt_prefix, sweep_dead_outputs
-from tests.integration.control_plane import chain_registry, make_settings
+from tests.support.control_plane import chain_registry, make_settings
 
 # The local-store tests, collected here with this module's `scheduler` (PostgreSQL + S3).
-from tests.unit.test_cluster_crash_cache import (  # noqa: F401
+from tests.unit.cluster.test_crash_cache import (  # noqa: F401
     _stage,
     _upload,
     test_an_attempt_referenced_by_a_cache_hit_is_never_swept,

@@ -14,8 +14,8 @@ def smollm2_package(smollm2, tmp_path_factory) -> Path:
     # lazy: the device SDK's tests run where only the SDK is installed; this fixture is for pipeline tests
     from pipeline.elastilm.profile import ProfileSettings, profile
     from pipeline.stage import quiet_context
-    from tests.unit.pipeline_packages import SMOLLM2_LEVELS, build_package
-    from tests.unit.sdk_packages import signing_key
+    from tests.support.pipeline_packages import SMOLLM2_LEVELS, build_package
+    from tests.support.sdk_packages import signing_key
 
     settings = ProfileSettings(windows=4, window_length=64, layer_method="block_influence")
     importance = profile(smollm2.model, smollm2.tokenizer, smollm2.architecture, settings, quiet_context())
@@ -28,15 +28,15 @@ def smollm2_package(smollm2, tmp_path_factory) -> Path:
 def gqa_package(tmp_path_factory) -> Path:
     """A tiny Llama-GQA package of random weights signed with `sdk_packages.signing_key()`, one per test
     module (some tests write beside it)."""
-    from tests.unit.sdk_packages import random_package, signing_key
+    from tests.support.sdk_packages import random_package, signing_key
 
     return random_package("llama_gqa", tmp_path_factory.mktemp("gqa") / "pkg", signing_key())
 
 
 @pytest.fixture
 def api(tmp_path):
-    """The REST API app over SQLite and a local store, with the cheap test registry (tests/api_support.py)."""
-    from tests.api_support import make_api
+    """The REST API app over SQLite and a local store, with the cheap test registry (tests/support/api.py)."""
+    from tests.support.api import make_api
 
     return make_api(tmp_path)
 
@@ -55,7 +55,7 @@ def scheduler(tmp_path):
     from cluster.db import migrate
     from cluster.scheduler import Scheduler
     from cluster.settings import Settings
-    from tests.integration.control_plane import chain_registry
+    from tests.support.control_plane import chain_registry
 
     settings = Settings(home=tmp_path / "home", database_url=f"sqlite:///{tmp_path / 'jobs.db'}",
                         store_url=str(tmp_path / "store"), lease_seconds=30.0)

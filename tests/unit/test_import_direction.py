@@ -247,3 +247,38 @@ def test_checker_catches_a_violation(tmp_path):
     hidden = tmp_path / "hidden.py"
     hidden.write_text("import importlib\n\ndef run():\n    from pipeline import recover\n    return importlib.import_module('x')\n")
     assert imported_roots(hidden) == {"importlib", "pipeline"} and dynamic_imports(hidden) == [5]
+
+
+def service_imports_reached(path: Path, root: Path = ROOT, seen: set[Path] | None = None) -> set[str]:
+    """The service packages (api, cluster, workers, pipeline) that `path` imports, directly or through
+    the `tests.*` helper modules it imports, at any depth of the file."""
+    seen = set() if seen is None else seen
+    if path in seen:
+        return set()
+    seen.add(path)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = imported_roots(path) & set(LAYERS[:-1])
+    for node in ast.walk(tree):
+        names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                 else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+        for name in names:
+            if name.split(".")[0] == "tests" and (helper := root / (name.replace(".", "/") + ".py")).exists():
+                found |= service_imports_reached(helper, root, seen)
+    return found
+
+
+def test_device_sdk_tests_need_only_the_sdk():
+    """tests/unit/device_sdk/ runs where only the SDK is installed: neither its files nor the test helpers
+    they import reach the service's packages (round trips from a pipeline build live in tests/unit/pipeline/)."""
+    folder = ROOT / "tests" / "unit" / "device_sdk"
+    offenders = {str(path.relative_to(ROOT)): sorted(reached) for path in sorted(folder.glob("*.py"))
+                 if (reached := service_imports_reached(path))}
+    assert not offenders, f"device_sdk tests import the service: {offenders}"
+
+
+def test_checker_follows_test_helpers(tmp_path):
+    (tmp_path / "tests" / "support").mkdir(parents=True)
+    (tmp_path / "tests" / "support" / "helper.py").write_text("def make():\n    from pipeline.models import loading\n")
+    test = tmp_path / "test_x.py"
+    test.write_text("from device_sdk.format import Level\nfrom tests.support.helper import make\n")
+    assert service_imports_reached(test, tmp_path) == {"pipeline"}
