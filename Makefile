@@ -40,7 +40,7 @@ services:
 LLAMA_BUILD_LOG = $(LLAMA_VENV)-build.log
 test: assets lint services
 	@$(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \
-	ELASTIFY_LLAMA_BUILD_PID=$$build ELASTIFY_LLAMA_BUILD_LOG=$(LLAMA_BUILD_LOG) $(PY) -m pytest tests; status=$$?; \
+	ELASTIFY_LLAMA_BUILD_PID=$$build ELASTIFY_LLAMA_BUILD_LOG=$(LLAMA_BUILD_LOG) $(PY) -m pytest tests --durations=25; status=$$?; \
 	if ! wait $$build; then echo "llama.cpp's build failed:"; tail -n 40 $(LLAMA_BUILD_LOG); status=1; fi; \
 	exit $$status
 
