@@ -40,10 +40,11 @@ from pipeline.settings import (
 )
 from pipeline.stage import StageContext
 
-# The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus).
-MODEL_STAGE = Resources(num_cpus=2)
+# The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus), and
+# one GPU where the build's accelerator gives them one (cluster.accelerator).
+MODEL_STAGE = Resources(num_cpus=2, accelerated=True)
 # A fanned-out shard takes one core, so that two shards run side by side on one 2-core worker.
-SHARD = Resources(num_cpus=1)
+SHARD = Resources(num_cpus=1, accelerated=True)
 DEFAULT_SHARDS = 2  # label and clone-collect tasks, unless the spec sets `shards`
 
 ELASTILM_STAGES = ("corpus-generate", "corpus", "recover", "recover-install", "latency", "tlm-score", "label",

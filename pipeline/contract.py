@@ -95,9 +95,13 @@ class Resources:
     num_gpus: float = 0.0
     memory: int | None = None  # bytes
     custom: Mapping[str, float] = field(default_factory=dict)  # e.g. {"fake_gpu": 0.5}
+    # A stage that runs a model: under the build's `accelerator` (auto with GPUs in the cluster, or cuda)
+    # its tasks ask for one GPU unless the spec sets num_gpus (cluster.accelerator).
+    accelerated: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "memory": self.memory, "custom": dict(self.custom)}
+        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "memory": self.memory, "custom": dict(self.custom),
+                "accelerated": self.accelerated}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ class StageContext:
     logger: logging.Logger = field(default_factory=lambda: logging.getLogger("elastify.stage"))
     log_every_s: float = 5.0
     runtime: dict[str, str] = field(default_factory=dict)
+    # Where the stage runs its model: "cuda" when its task was granted a GPU, else "cpu" (workers.runner).
+    device: str = "cpu"
     _last_log: dict[str, float] = field(default_factory=dict)
 
     def report(self, task: str, done: int, total: int) -> None:
