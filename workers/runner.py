@@ -84,6 +84,7 @@ class StageTask:
     # The deployment's source roots, when it configured them: every path the stage is handed is checked
     # again here, as the worker resolves it, so a symlink changed after submit cannot lead out.
     source_roots: tuple[str, ...] = ()
+    device: str = "cpu"  # "cuda" when the scheduler granted the task a GPU (cluster.accelerator): ctx.device
 
 
 class _EventLogHandler(logging.Handler):
@@ -110,7 +111,7 @@ def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> S
 
     # The logger already receives every progress line from StageContext; don't repeat them often.
     return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0,
-                        runtime=dict(task.runtime))
+                        runtime=dict(task.runtime), device=task.device)
 
 
 def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:
