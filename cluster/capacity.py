@@ -85,3 +85,12 @@ def current_capacity(setting: str) -> Capacity | None:
     if not ray.is_initialized():
         return None
     return node_capacity(ray.nodes())
+
+
+def cluster_gpus(setting: str) -> float:
+    """The most GPUs one node offers: the live cluster's when this process joined Ray, else the server
+    setting's; 0 when neither says (a stage then runs on CPUs under `accelerator: auto`)."""
+    import ray
+
+    capacity = node_capacity(ray.nodes()) if ray.is_initialized() else parse_capacity(setting)
+    return float(capacity.largest.get("num_gpus", 0.0)) if capacity is not None else 0.0

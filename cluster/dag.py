@@ -116,6 +116,8 @@ def plan(spec: BuildSpec, registry: Registry) -> list[PlannedStage]:
         resources = stage.resources.as_dict()
         if own.resources is not None:
             resources |= {k: v for k, v in own.resources.model_dump().items() if v is not None}
+            if own.resources.num_gpus is not None:
+                resources["gpus_set"] = True  # the spec's num_gpus wins over the build's accelerator
         max_attempts = own.max_attempts or stage.max_attempts
         shards = stage.fan_out(spec, settings) if stage.fan_out else None
         if shards == []:

@@ -28,7 +28,8 @@ import ray
 from sqlalchemy import exists, func, select, text, true, update
 from sqlalchemy.orm import aliased
 
-from cluster.capacity import current_capacity
+from cluster.accelerator import device_for, granted_resources
+from cluster.capacity import cluster_gpus, current_capacity
 from cluster.db import is_sqlite, make_engine, session_factory
 from cluster.fingerprint import named_files_fingerprint, path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
@@ -398,7 +399,9 @@ class Scheduler:
                     cached = self._cached_outputs(session, stage, registration) if stage.cache_key else None
                 else:
                     cached = None
-                if cached is None and (unfit := self._unschedulable(stage.resources)):
+                granted = granted_resources(stage.resources, build.spec.get("accelerator", "auto"),
+                                            cluster_gpus(self.settings.max_task_resources))
+                if cached is None and (unfit := self._unschedulable(granted)):
                     raise Unschedulable("; ".join(f"{name}: {message}" for name, message in unfit))
             except Exception as err:  # a missing signing key is permanent; a store that is down is not
                 stage.attempts += 1  # a failed dispatch spends an attempt, so retries stay bounded
@@ -423,8 +426,8 @@ class Scheduler:
             number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.stage_id == stage_id)) or 0) + 1
             stage.attempts += 1
             attempt = Attempt(stage_id=stage.id, number=number, worker=self.owner, heartbeat_at=utcnow(),
-                              num_cpus=float(stage.resources.get("num_cpus") or 0),
-                              num_gpus=float(stage.resources.get("num_gpus") or 0))
+                              num_cpus=float(granted.get("num_cpus") or 0),
+                              num_gpus=float(granted.get("num_gpus") or 0))
             session.add(attempt)
             session.flush()
             task = StageTask(
@@ -434,11 +437,12 @@ class Scheduler:
                 # Configured roots only: the embedded default trusts its own (demo, tests) submissions.
                 source_roots=tuple(map(str, self.settings.allowed_source_roots)) if self.settings.source_roots else (),
                 output_prefix=attempt_prefix(stage.build_id, stage.key, number), runtime=runtime,
+                device=device_for(granted),
             )
             info = Inflight(stage.id, stage.build_id, stage.key, registration, attempt.id, number, attempt.num_gpus)
             session.add(Event(build_id=stage.build_id, stage_id=stage.id, attempt=number, kind="state",
-                              message=f"dispatched attempt {number} to Ray with {stage.resources}"))
-            resources = dict(stage.resources)
+                              message=f"dispatched attempt {number} to Ray with {granted}"))
+            resources = granted
         # Submit only once the attempt row is committed: every Ray task has its record.
         try:
             self.inflight[submit(task, resources, self.events)] = info

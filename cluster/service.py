@@ -20,6 +20,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from cluster.accelerator import granted_resources
 from cluster.capacity import Capacity
 from cluster.dag import ExternalPath, plan
 from cluster.models import (
@@ -170,7 +171,7 @@ def submit(
     """
     planned = plan(spec, registry)  # raises SpecError before anything is written
     if capacity is not None:
-        _check_capacity(planned, capacity)
+        _check_capacity(planned, capacity, spec.accelerator)
     spec_hash = spec.content_hash()
     try:
         with sessions.begin() as session:
@@ -239,12 +240,16 @@ def delete_upload(sessions: sessionmaker[Session], store, tenant: str, digest: s
     store.delete_prefix(upload_key(tenant, digest))
 
 
-def _check_capacity(planned, capacity: Capacity) -> None:
-    """SpecError naming `stages.<stage>.resources.<resource>` for each request no node can grant."""
+def _check_capacity(planned, capacity: Capacity, accelerator: str) -> None:
+    """SpecError naming `stages.<stage>.resources.<resource>` (or `accelerator`, for the GPU that
+    `accelerator: cuda` asks for) for each request no node can grant."""
+    gpus = float(capacity.largest.get("num_gpus", 0.0))
     problems = {}
     for node in planned:
-        for resource, message in capacity.problems(node.resources):
-            problems.setdefault(f"stages.{node.type}.resources.{resource}", message)
+        for resource, message in capacity.problems(granted_resources(node.resources, accelerator, gpus)):
+            by_accelerator = resource == "num_gpus" and node.resources.get("accelerated") and not node.resources.get("gpus_set")
+            where = "accelerator" if by_accelerator else f"stages.{node.type}.resources.{resource}"
+            problems.setdefault(where, f"cuda: stage {node.type} {message}" if by_accelerator else message)
     if problems:
         raise SpecError(list(problems.items()))
 

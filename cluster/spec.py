@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -123,6 +123,9 @@ class BuildSpec(Strict):
     stages: dict[str, StageSpec] = Field(default_factory=dict)
     publish: PublishSpec
     cache: bool = True
+    # Where the stages that run a model compute (cluster.accelerator): "auto" gives each one GPU when the
+    # Ray cluster has GPUs, else CPUs; "cuda" insists on a GPU; "cpu" never asks for one.
+    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
 
     def given_stages(self) -> dict[str, StageSpec]:
         """The stages the spec names (enabled or not), by stage name."""

@@ -96,6 +96,20 @@ class _EventLogHandler(logging.Handler):
         self.emit_event({"kind": "log", "level": record.levelname.lower(), "message": record.getMessage()})
 
 
+def usable_device(device: str, emit: Callable[[dict], None]) -> str:
+    """`device`, or "cpu" with a warning event when a GPU was granted on a node whose torch sees no CUDA
+    (a cluster declaring GPUs it has not got, as tests' fake GPUs do): the stage runs, slowly, not never."""
+    if device != "cuda":
+        return device
+    import torch  # lazy: a CPU task need not import torch here
+
+    if torch.cuda.is_available():
+        return device
+    emit({"kind": "log", "level": "warning",
+          "message": "granted a GPU, but torch sees no CUDA device on this node: computing on the CPU"})
+    return "cpu"
+
+
 def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> StageContext:
     logger = logging.getLogger(f"elastify.stage.{task.build_id}.{task.stage_key}")
     logger.setLevel(logging.INFO)
@@ -111,7 +125,7 @@ def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> S
 
     # The logger already receives every progress line from StageContext; don't repeat them often.
     return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0,
-                        runtime=dict(task.runtime), device=task.device)
+                        runtime=dict(task.runtime), device=usable_device(task.device, emit))
 
 
 def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:

@@ -52,7 +52,7 @@ def _output(inputs: dict[str, Path], settings: TinySettings, ctx: StageContext) 
 
 
 def noop(inputs: dict[str, Path], settings: TinySettings, ctx: StageContext) -> dict[str, Path]:
-    _journal(settings, "run")
+    _journal(settings, "run", device=ctx.device)
     return _output(inputs, settings, ctx)
 
 
