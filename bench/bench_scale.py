@@ -1,0 +1,309 @@
+"""What a build costs as the model grows: peak memory, bytes and time per unit of work, stage by stage.
+
+    .venv/bin/python -m bench.bench_scale                       # 135M (real) and the 1B and 3B shapes
+    .venv/bin/python -m bench.bench_scale --shapes llama-3.1-8b  # profile, elastify, partial pull, decode
+    .venv/bin/python -m bench.bench_scale --service llama-3.2-1b # the whole default chain on Ray + PostgreSQL + S3
+
+Shapes other than SmolLM2-135M are **randomly initialised** models with the real families' shapes
+(Llama-3.2-1B, Llama-3.2-3B, Llama-3.1-8B), stored in bf16 as those models are on the Hub: they
+measure cost and memory, never quality. Each stage runs in a fresh process, so its peak resident
+memory (ru_maxrss) is its own; the process's resident memory once torch and the stage's modules are
+imported is reported beside it as the fixed overhead. `--service` submits one build at smoke settings
+(examples/builds/smoke.yaml) to the control plane on a real Ray head, PostgreSQL and SeaweedFS S3, and
+reads every attempt's bytes fetched and stored and its wall time from the job store.
+
+Raw JSON: bench/results/scale.json (`--service`: scale-service.json); plot: bench/results/scale.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.common import RESULTS, console, print_table, write_results
+
+# The families' published shapes (config.json of each); vocabularies are the real ones, so the
+# embedding and LM head weigh what they weigh in the real model.
+SHAPES: dict[str, dict] = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
+                         rope_theta=500000.0, max_position_embeddings=131072),
+}
+REAL = "smollm2-135m"
+RANDOM_MARK = "RANDOM_WEIGHTS"  # a file in every random model's directory
+SHARD_BYTES = 1 << 30
+LEVELS = [0.5, 0.7, 1.0]
+# The whole chain at the smallest settings that exercise every stage (the same settings as the build
+# example); the big shapes run the stages a device user depends on first.
+STAGES_FOR = {"llama-3.1-8b": ["profile", "elastify", "pull", "decode"]}
+ALL_STAGES = ["profile", "elastify", "recover", "evaluate", "pull", "decode"]
+
+
+# --------------------------------------------------------------------------- random models
+
+
+def random_model(shape: str, root: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """An HF directory of `shape` with N(0, 0.02) weights in bf16, written shard by shard (never the
+    whole model in memory), and SmolLM2's tokenizer (its ids fit every shape's vocabulary)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = root / shape
+    if (target / RANDOM_MARK).is_file():
+        return target
+    staging = root / f".{shape}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    config = LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        names = {name: tuple(p.shape) for name, p in LlamaForCausalLM(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        names.pop("lm_head.weight", None)
+    generator = torch.Generator().manual_seed(seed)
+    shards, shard, size, index = [], {}, 0, {}
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            shards.append(shard)
+            file = f"model-{len(shards):05d}.safetensors"
+            save_file(shard, str(staging / file), metadata={"format": "pt"})
+            index.update({name: file for name in shard})
+            shard, size = {}, 0
+
+    for name, dims in names.items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(dims, dtype=torch.bfloat16)
+        else:
+            tensor = (torch.randn(dims, generator=generator) * 0.02).to(torch.bfloat16)
+        shard[name] = tensor
+        size += tensor.numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    flush()
+    total = sum((staging / file).stat().st_size for file in set(index.values()))
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                       "weight_map": index}))
+    config.save_pretrained(staging)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / file).is_file():
+            shutil.copy(tokenizer_dir / file, staging / file)
+    (staging / RANDOM_MARK).write_text("randomly initialised weights: for cost and memory, never quality\n")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def model_bytes(model_dir: Path) -> int:
+    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
+
+
+# --------------------------------------------------------------------------- one stage, in a child process
+
+
+def _rss_now() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def child(stage: str, model_dir: Path, work: Path) -> dict:
+    """Run one stage on the files earlier stages left in `work`; return what it cost."""
+    import torch  # noqa: F401  (imported before the baseline, as every stage imports it)
+
+    from device_sdk.runtime import ElasticModel
+    from pipeline import chain
+    from pipeline.settings import ElastifySettings, ProfileSettings, RecoverSettings, ReportCardSettings
+    from pipeline.stage import StageContext
+
+    ctx = StageContext(work_dir=work / f"{stage}.work")
+    shutil.rmtree(ctx.work_dir, ignore_errors=True)
+    ctx.work_dir.mkdir(parents=True)
+    baseline = _rss_now()
+    started = time.perf_counter()
+    if stage == "profile":
+        settings = ProfileSettings(windows=2, window_length=64, layer_method="block_influence", attn_method="taylor")
+        out = chain.run_profile({"model": model_dir}, settings, ctx)
+        _keep(out["importance"], work / "importance")
+        units = {"tokens": settings.windows * settings.window_length}
+    elif stage == "elastify":
+        out = chain.run_elastify({"model": model_dir, "importance": work / "importance"},
+                                 ElastifySettings(levels=LEVELS, name="scale", version="1"), ctx)
+        _keep(out["package"], work / "package")
+        units = {"tensors": len(json.loads((work / "package" / "manifest.json").read_text())["byte_ranges"]["tensors"])}
+    elif stage == "recover":
+        settings = RecoverSettings(level="0.5", steps=2, batch_size=1, seq_len=64, eval_windows=1, warmup_steps=0,
+                                   eval_corpus=["ptb:test"])
+        chain.run_recover({"package": work / "package"}, settings, ctx)
+        units = {"tokens": settings.steps * settings.batch_size * settings.seq_len}
+    elif stage == "evaluate":
+        settings = ReportCardSettings(windows=2, window_length=32, corpora=["ptb:test"], tasks=[], generation_prompts=1,
+                                      generation_tokens=4, measure_latency=False, gate=False)
+        chain.run_evaluate({"package": work / "package"}, settings, ctx)
+        units = {"tokens": len(LEVELS) * (settings.windows * settings.window_length + settings.generation_tokens)}
+    elif stage == "pull":
+        from device_sdk.registry import LOCAL_STATE, pull
+
+        pulled = pull("scale", "1", registry=work / "registry", public_key=_registry(work), max_level=0.5,
+                      cache_dir=work / "cache")
+        units = {"bytes": int(json.loads((pulled / LOCAL_STATE).read_text())["bytes"])}
+    elif stage == "decode":
+        model = ElasticModel.load(work / "cache" / "scale" / "1", public_key=(work / "public.key").read_text())
+        generated = model.generate("The capital of France is", level="0.5", max_new_tokens=2, min_new_tokens=2)
+        units = {"tokens": 1, "ttft_ms": generated.ttft_ms, "decode_step_ms": generated.tpot_ms}
+    else:
+        raise SystemExit(f"unknown stage {stage}")
+    return {"stage": stage, "seconds": time.perf_counter() - started, "baseline_rss": baseline,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **units}
+
+
+def _keep(produced: Path, target: Path) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    shutil.move(str(produced), str(target))
+
+
+def _registry(work: Path):
+    """Sign the package and lay it out as a directory registry; return the public key."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from device_sdk.format import public_key_b64
+    from pipeline.publish import publish_package
+
+    key = Ed25519PrivateKey.generate()
+    (work / "public.key").write_text(public_key_b64(key.public_key()))
+    release = work / "registry" / "packages" / "scale" / "1"
+    shutil.rmtree(work / "registry", ignore_errors=True)
+    shutil.rmtree(work / "cache", ignore_errors=True)
+    release.parent.mkdir(parents=True)
+    publish_package(work / "package", release, key)
+    return key.public_key()
+
+
+def run_stage(stage: str, model_dir: Path, work: Path) -> dict:
+    command = [sys.executable, "-m", "bench.bench_scale", "--child", stage, "--model", str(model_dir), "--work", str(work)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        return {"stage": stage, "error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["failed"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def measure(shapes: list[str], root: Path) -> list[dict]:
+    from pipeline.assets import prepare_smollm2
+
+    smollm2 = prepare_smollm2()
+    rows = []
+    for shape in shapes:
+        model_dir = smollm2 if shape == REAL else random_model(shape, root / "models", smollm2)
+        size = model_bytes(model_dir)
+        work = root / "work" / shape
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        for stage in STAGES_FOR.get(shape, ALL_STAGES):
+            console.print(f"[bold]{shape}[/bold]: {stage}")
+            row = {"shape": shape, "weights": "real" if shape == REAL else "random", "model_bytes": size,
+                   **run_stage(stage, model_dir, work)}
+            if "peak_rss" in row:
+                row["peak_ratio"] = row["peak_rss"] / size
+                row["above_baseline_ratio"] = (row["peak_rss"] - row["baseline_rss"]) / size
+            rows.append(row)
+            if "error" in row:
+                console.print(f"[red]{shape} {stage} failed: {row['error']}[/red]")
+                break
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def _rate(row: dict) -> str:
+    """Time per unit of the stage's work."""
+    if "decode_step_ms" in row:
+        return f"{row['decode_step_ms']:.0f} ms/token" if row["decode_step_ms"] else "-"
+    if "bytes" in row:
+        return f"{row['bytes'] / 2**20 / row['seconds']:.0f} MiB/s"
+    for unit in ("tokens", "tensors"):
+        if row.get(unit):
+            return f"{row['seconds'] / row[unit] * 1e3:.1f} ms/{unit[:-1]}"
+    return "-"
+
+
+def show(rows: list[dict]) -> None:
+    table = [[row["shape"], row["stage"], f"{row['model_bytes'] / 2**30:.2f}", f"{row.get('peak_rss', 0) / 2**30:.2f}",
+              f"{row.get('peak_ratio', float('nan')):.2f}", f"{row.get('above_baseline_ratio', float('nan')):.2f}",
+              f"{row.get('seconds', float('nan')):.1f}", _rate(row) if "seconds" in row else "; ".join(row["error"])]
+             for row in rows]
+    console.width = max(console.width, 120)
+    print_table("cost per stage (shapes above 135M: random weights, cost only, never quality)",
+                ["shape", "stage", "model GiB", "peak GiB", "peak/model", "(peak-import)/model", "s", "per unit"], table)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, seconds) = plt.subplots(1, 2, figsize=(11, 4))
+    for stage in ALL_STAGES:
+        points = sorted((row["model_bytes"] / 2**30, row) for row in rows if row["stage"] == stage and "peak_rss" in row)
+        if not points:
+            continue
+        sizes = [size for size, _ in points]
+        memory.plot(sizes, [row["peak_rss"] / 2**30 for _, row in points], marker="o", label=stage)
+        seconds.plot(sizes, [row["seconds"] for _, row in points], marker="o", label=stage)
+    top = max(row["model_bytes"] for row in rows) / 2**30
+    memory.plot([0, top], [0, 1.3 * top], linestyle="--", color="grey", label="1.3 × model bytes")
+    memory.set(xlabel="model bytes (GiB, bf16)", ylabel="peak resident memory (GiB)", title="memory")
+    seconds.set(xlabel="model bytes (GiB, bf16)", ylabel="seconds (smoke settings)", title="time", yscale="log")
+    memory.legend(fontsize=8)
+    fig.suptitle("bench_scale: cost against model size (shapes above 135M are random weights)")
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=[REAL, "llama-3.2-1b", "llama-3.2-3b"],
+                        choices=[REAL, *SHAPES])
+    parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "elastify-scale",
+                        help="where random models are written once and reused (default: %(default)s)")
+    parser.add_argument("--merge", action="store_true", help="add these shapes to the committed JSON's rows")
+    parser.add_argument("--no-results", action="store_true")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.model, args.work)))
+        return
+    load_before = os.getloadavg()
+    rows = measure(args.shapes, args.root)
+    if args.merge and (RESULTS / "scale.json").is_file():
+        kept = [row for row in json.loads((RESULTS / "scale.json").read_text())["rows"] if row["shape"] not in args.shapes]
+        rows = kept + rows
+    show(rows)
+    if not args.no_results:
+        write_results("scale", args, rows, load_before,
+                      note="shapes other than smollm2-135m are random weights: cost, never quality")
+        plot(rows, RESULTS / "scale.png")
+
+
+if __name__ == "__main__":
+    main()
