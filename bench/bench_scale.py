@@ -278,12 +278,99 @@ def plot(rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
+# --------------------------------------------------------------------------- the whole chain through the service
+
+
+def service(shape: str, root: Path, timeout: float) -> dict:
+    """One smoke build of `shape` through `elastify up` on Ray + PostgreSQL + SeaweedFS S3: every
+    attempt's wall time, and the bytes the build put in the store against its package's size."""
+    import uuid
+
+    import boto3
+    import httpx
+    import yaml
+
+    from pipeline.assets import prepare_smollm2
+    from tests.support import services  # the same real services the integration tests start
+    from workers.store import StoreConfig
+
+    smollm2 = prepare_smollm2()
+    model_dir = smollm2 if shape == REAL else random_model(shape, root / "models", smollm2)
+    spec = yaml.safe_load((Path(__file__).parents[1] / "examples" / "builds" / "smoke.yaml").read_text())
+    spec["source"]["model"] = str(model_dir)
+    spec["publish"] = {"name": f"scale-{shape}", "version": "1"}
+    bucket = f"scale-{uuid.uuid4().hex[:8]}"
+    home = root / "service-home"
+    shutil.rmtree(home, ignore_errors=True)
+    with services.postgres() as server, services.seaweedfs() as endpoint, services.ray_head(num_cpus=2, num_gpus=0) as ray:
+        store = StoreConfig(f"s3://{bucket}/elastify", endpoint, "test", "test")
+        store.open().ensure_ready()
+        env = {**os.environ, "ELASTIFY_HOME": str(home), "ELASTIFY_DATABASE_URL": services.create_database(server, "scale"),
+               "ELASTIFY_RAY_ADDRESS": ray, "RAY_AUTH_MODE": "disabled", "ELASTIFY_STORE_URL": store.url,
+               "ELASTIFY_STORE_ENDPOINT": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+               "ELASTIFY_SOURCE_ROOTS": f"{model_dir.parent}:{smollm2.parent}"}
+        elastify = str(Path(sys.executable).with_name("elastify"))
+        port = services.free_port()
+        log = root / "service-up.log"
+        process = subprocess.Popen([elastify, "up", "--host", "127.0.0.1", "--port", str(port)], env=env,
+                                   stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            services.wait_for_port(port, 180, process, log)
+            token = subprocess.run([elastify, "tokens", "create", "--tenant", "bench"], env=env, capture_output=True,
+                                   text=True, check=True).stdout.strip()
+            auth = {"Authorization": f"Bearer {token}"}
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60, headers=auth) as client:
+                submitted = client.post("/v1/builds", json=spec)
+                submitted.raise_for_status()
+                build_id = submitted.json()["id"]
+                started, deadline = time.monotonic(), time.monotonic() + timeout
+                with console.status(f"{shape}: the smoke build runs") as status:
+                    while (summary := client.get(f"/v1/builds/{build_id}").json())["status"] not in (
+                            "succeeded", "failed", "cancelled"):
+                        if time.monotonic() > deadline:
+                            raise SystemExit(f"the build did not finish in {timeout:.0f} s")
+                        done = sum(stage["status"] == "succeeded" for stage in summary["stages"])
+                        status.update(f"{shape}: {done}/{len(summary['stages'])} stages, {time.monotonic() - started:.0f} s")
+                        time.sleep(2)
+                wall = time.monotonic() - started
+        finally:
+            services.stop_group(process)
+        s3 = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+        objects = [item for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+                   for item in page.get("Contents", [])]
+    package = [o["Size"] for o in objects if f"/packages/scale-{shape}/1/" in "/" + o["Key"]]
+    attempts = [{"stage": stage["key"], **{key: attempt.get(key) for key in
+                                           ("status", "wall_seconds", "cpu_seconds", "gpu_seconds", "bytes_fetched",
+                                            "bytes_stored", "bytes_cached")}}
+                for stage in summary["stages"] for attempt in stage["attempts"]]
+    return {"shape": shape, "weights": "real" if shape == REAL else "random", "model_bytes": model_bytes(model_dir),
+            "status": summary["status"], "wall_seconds": wall, "attempts": attempts,
+            "store_bytes": sum(o["Size"] for o in objects), "store_objects": len(objects),
+            "package_bytes": sum(package)}
+
+
+def show_service(result: dict) -> None:
+    rows = [[a["stage"], a["status"], f"{a['wall_seconds'] or 0:.1f}",
+             *(f"{(a[key] or 0) / 2**20:.1f}" if a.get(key) is not None else "-"
+               for key in ("bytes_fetched", "bytes_stored", "bytes_cached"))] for a in result["attempts"]]
+    console.width = max(console.width, 120)
+    print_table(f"{result['shape']} through the service ({result['status']}, {result['wall_seconds']:.0f} s)",
+                ["stage", "status", "wall s", "fetched MiB", "stored MiB", "from node cache MiB"], rows)
+    fetched = sum(a.get("bytes_fetched") or 0 for a in result["attempts"])
+    console.print(f"store: {result['store_bytes'] / 2**20:.0f} MiB in {result['store_objects']} objects; package "
+                  f"{result['package_bytes'] / 2**20:.0f} MiB; moved (fetched + stored) "
+                  f"{(fetched + result['store_bytes']) / max(result['package_bytes'], 1):.2f}× the package")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=[REAL, "llama-3.2-1b", "llama-3.2-3b"],
                         choices=[REAL, *SHAPES])
     parser.add_argument("--root", type=Path, default=Path(tempfile.gettempdir()) / "elastify-scale",
                         help="where random models are written once and reused (default: %(default)s)")
+    parser.add_argument("--service", choices=[REAL, *SHAPES], help="run the smoke build of this shape through `elastify up`")
+    parser.add_argument("--timeout", type=float, default=3600, help="--service: seconds the build may take")
     parser.add_argument("--merge", action="store_true", help="add these shapes to the committed JSON's rows")
     parser.add_argument("--no-results", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -294,6 +381,13 @@ def main() -> None:
         print(json.dumps(child(args.child, args.model, args.work)))
         return
     load_before = os.getloadavg()
+    if args.service:
+        result = service(args.service, args.root, args.timeout)
+        show_service(result)
+        if not args.no_results:
+            write_results("scale-service", args, result["attempts"], load_before,
+                          **{key: value for key, value in result.items() if key != "attempts"})
+        return
     rows = measure(args.shapes, args.root)
     if args.merge and (RESULTS / "scale.json").is_file():
         kept = [row for row in json.loads((RESULTS / "scale.json").read_text())["rows"] if row["shape"] not in args.shapes]
