@@ -9,14 +9,16 @@ B [out_active, r], exactly what `adapters/recovery/<level>.safetensors` holds.
 The loss is by default distillation: the teacher is the same weights at level 1.0 (the views
 re-pointed at the whole storage, the LoRA bypassed), under no_grad; the student is the level
 with its LoRA; KL(teacher || student) at a temperature, optionally over the teacher's top-k.
-`loss: lm` is the plain next-token loss. With `warm_start`, the LoRA starts from the next larger
-level's, cut to this level's prefix. Other divergences, an added LM loss and on-policy steps are
+`loss: lm` is the plain next-token loss. With `warm_start`, the LoRA starts from a larger level's
+(the next larger, or the top level's under `schedule: shared-top`), cut to this level's prefix. Other divergences, an added LM loss and on-policy steps are
 research levers under `experimental` (pipeline.settings.RecoverExperiments), off by default.
 
 Data is an LM corpus (named sources, or a recovery corpus directory from pipeline.elastilm.corpus) or
 instruction data in alpaca (`instruction`/`input`/`output`) or chat (`messages`) JSONL, with
 loss on responses only. The torch loop is the default; `backend: deepspeed` runs the same step
-under ZeRO. Training runs under bf16 autocast on CUDA and on CPUs with native bf16 (`precision`).
+under ZeRO. Training runs under bf16 autocast on CUDA and on CPUs with native bf16 (`precision`), on
+the stage's device (`ctx.device`). With `workers > 1` the level trains data-parallel through Ray Train
+(pipeline.elastilm.recover_distributed), its workers building the level with `prepare_level`.
 
 Design: docs/design.md, 'recover'.
 """
@@ -639,12 +641,35 @@ def save_adapter(tensors: dict[str, torch.Tensor], path: Path, settings: Recover
     os.replace(tmp, path)
 
 
-def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, ctx: StageContext,
-                  init_adapter: Path | None = None, corpus_dir: Path | None = None) -> dict:
-    """Train the level's LoRA; write peft format and the unit-major adapter; return metrics.
+@dataclass
+class LevelTraining:
+    """One level's training, built the same way in every process that trains it (seeded data, model, LoRA)."""
 
-    `init_adapter`: a larger level's adapter to warm-start from; `corpus_dir`: a recovery corpus
-    (pipeline.elastilm.corpus) to train on instead of the named `corpus` sources.
+    settings: RecoverSettings
+    views: LevelViews
+    full: str  # the teacher's level
+    peft_model: nn.Module
+    loss_fn: Callable
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    eval_windows: torch.Tensor
+    mix_stats: dict | None  # windows per kind of corpus text, when training on a recovery corpus
+    init_adapter: Path | None
+    corpus_dir: Path | None
+
+    def evaluate(self, with_lora: bool) -> tuple[float, float]:
+        """(eval loss, KL to the full model) of the level, with its LoRA or without (as elastify left it)."""
+        if with_lora:
+            return eval_loss_and_kl(self.views, self.full, self.peft_model, self.eval_windows,
+                                    self.settings.batch_size)
+        with self.peft_model.disable_adapter():  # student and teacher both without it
+            return eval_loss_and_kl(self.views, self.full, None, self.eval_windows, self.settings.batch_size)
+
+
+def prepare_level(package_dir: Path, settings: RecoverSettings, device: torch.device,
+                  init_adapter: Path | None = None, corpus_dir: Path | None = None) -> LevelTraining:
+    """The level's data, sub-model on `device` and LoRA (warm-started from `init_adapter`), ready to train.
+
+    Deterministic under `settings.seed`: every data-parallel worker builds the same batches and LoRA.
     """
     from transformers import AutoTokenizer
 
@@ -652,7 +677,7 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         raise RecoverError("recover trains one level: set `level` (the chain's fan-out sets one per shard)")
     torch.manual_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(str(Path(package_dir) / "model"))
-    mix_stats = None  # windows per kind of corpus text, when training on a recovery corpus
+    mix_stats = None
     if settings.instructions:
         batches = instruction_batches(tokenizer, Path(settings.instructions), settings)
     elif corpus_dir is not None:
@@ -661,44 +686,64 @@ def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, c
         batches = corpus_batches(tokenizer, settings)
     eval_windows = make_windows(tokenizer, settings.eval_corpus, settings.eval_windows, settings.seq_len,
                                 settings.seed + 1)
-    model = ElasticCausalLM.from_package(package_dir, device=training_device())
+    model = ElasticCausalLM.from_package(package_dir, device=device)
     full = max(model.elastic.levels, key=lambda level: level.ratio).name  # the teacher
     views = LevelViews(model, settings.level)
-    hf = views.hf
-    before, kl_before = eval_loss_and_kl(views, full, None, eval_windows, settings.batch_size)
-    peft_model = add_lora(hf, settings)
+    peft_model = add_lora(views.hf, settings)
     if init_adapter is not None:
         warm_start(peft_model, Path(init_adapter), settings)
-    loss_fn = make_loss(settings, views, full, peft_model)
-    if settings.backend == "deepspeed":
-        losses = train_deepspeed(peft_model, hf, batches, settings, ctx, loss_fn, views)
-    else:
-        losses = train_torch(peft_model, hf, batches, settings, ctx, loss_fn)
-    after, kl_after = eval_loss_and_kl(views, full, peft_model, eval_windows, settings.batch_size)
+    return LevelTraining(settings, views, full, peft_model, make_loss(settings, views, full, peft_model), batches,
+                         eval_windows, mix_stats, init_adapter, corpus_dir)
 
+
+def write_level(training: LevelTraining, out_dir: Path, before: tuple[float, float], after: tuple[float, float],
+                losses: list[float]) -> dict:
+    """Write the trained LoRA in peft format (`peft/`) and unit-major (`<level>.safetensors`); return the metrics."""
+    settings = training.settings
     peft_dir = out_dir / "peft"
     staging = out_dir / ".peft.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    peft_model.save_pretrained(str(staging))
+    training.peft_model.save_pretrained(str(staging))
     shutil.rmtree(peft_dir, ignore_errors=True)
     os.replace(staging, peft_dir)
-    save_adapter(unit_major_adapter(peft_model), out_dir / f"{settings.level}.safetensors", settings)
+    save_adapter(unit_major_adapter(training.peft_model), out_dir / f"{settings.level}.safetensors", settings)
     return {
         "level": settings.level,
-        "teacher_level": full,
-        "eval_loss_before": before,
-        "eval_loss_after": after,
-        "eval_kl_before": kl_before,
-        "eval_kl_after": kl_after,
+        "teacher_level": training.full,
+        "eval_loss_before": before[0],
+        "eval_loss_after": after[0],
+        "eval_kl_before": before[1],
+        "eval_kl_after": after[1],
         "train_loss_first": losses[0],
         "train_loss_last": losses[-1],
         "steps": len(losses),
-        "train_tokens": sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in batches),
-        "warm_start_from": str(init_adapter) if init_adapter is not None else None,
-        "corpus_dir": str(corpus_dir) if corpus_dir is not None else None,  # else settings.corpus / instructions
-        "mix": mix_stats,
+        "train_tokens": sum(int((labels[:, 1:] != IGNORE).sum()) for _, labels in training.batches),
+        "warm_start_from": str(training.init_adapter) if training.init_adapter is not None else None,
+        # else settings.corpus / instructions
+        "corpus_dir": str(training.corpus_dir) if training.corpus_dir is not None else None,
+        "mix": training.mix_stats,
         "settings": settings.model_dump(mode="json"),
     }
+
+
+def recover_level(package_dir: Path, settings: RecoverSettings, out_dir: Path, ctx: StageContext,
+                  init_adapter: Path | None = None, corpus_dir: Path | None = None) -> dict:
+    """Train the level's LoRA in this process on `ctx.device`; write peft format and the unit-major adapter;
+    return metrics.
+
+    `init_adapter`: a larger level's adapter to warm-start from; `corpus_dir`: a recovery corpus
+    (pipeline.elastilm.corpus) to train on instead of the named `corpus` sources.
+    """
+    training = prepare_level(package_dir, settings, torch.device(ctx.device), init_adapter, corpus_dir)
+    before = training.evaluate(with_lora=False)
+    hf = training.views.hf
+    if settings.backend == "deepspeed":
+        losses = train_deepspeed(training.peft_model, hf, training.batches, settings, ctx, training.loss_fn,
+                                 training.views)
+    else:
+        losses = train_torch(training.peft_model, hf, training.batches, settings, ctx, training.loss_fn)
+    after = training.evaluate(with_lora=True)
+    return write_level(training, out_dir, before, after, losses)
 
 
 # --------------------------------------------------------------------------- into the package
@@ -716,11 +761,13 @@ def install_adapters(package_dir: Path, adapters: dict[str, Path]) -> None:
     rewrite_manifest(package_dir, manifest)
 
 
-def run(inputs: dict[str, Path], options: RecoverSettings, ctx: StageContext) -> dict[str, Path]:
+def run(inputs: dict[str, Path], options: RecoverSettings, ctx: StageContext,
+        train: Callable[..., dict] | None = None) -> dict[str, Path]:
     """Stage entry: inputs {"package": dir} -> {"adapter": <level>.safetensors, "peft": dir, "metrics": json}.
 
-    Optional inputs: "init_adapter", the next larger level's adapter (with `warm_start`; the
-    largest recovered level has none and starts cold), and "corpus", a recovery corpus directory.
+    Optional inputs: "init_adapter", a larger level's adapter (with `warm_start`; which one is the
+    schedule's choice, and the largest recovered level starts cold), and "corpus", a recovery corpus
+    directory. `train`: `recover_level` (one process) unless given; recover_distributed.run gives its own.
     """
     init_adapter = inputs.get("init_adapter")
     if init_adapter is not None and not options.warm_start:
@@ -728,9 +775,11 @@ def run(inputs: dict[str, Path], options: RecoverSettings, ctx: StageContext) ->
     out = ctx.work_dir
     out.mkdir(parents=True, exist_ok=True)
     corpus = inputs.get("corpus")
-    metrics = recover_level(Path(inputs["package"]), options, out, ctx,
-                            init_adapter=Path(init_adapter) if init_adapter is not None else None,
-                            corpus_dir=Path(corpus) if corpus is not None else None)
+    if train is None and options.workers > 1:
+        raise RecoverError("workers > 1 trains through Ray Train: run pipeline.elastilm.recover_distributed.run")
+    metrics = (train or recover_level)(Path(inputs["package"]), options, out, ctx,
+                    init_adapter=Path(init_adapter) if init_adapter is not None else None,
+                    corpus_dir=Path(corpus) if corpus is not None else None)
     metrics_path = out / "recover.json"
     atomic_write_bytes(metrics_path, json.dumps(metrics, indent=2).encode())
     ctx.logger.info("recover %s (%s): eval loss %.4f -> %.4f, KL to level %s %.4f -> %.4f", options.level,
