@@ -40,11 +40,16 @@ from pipeline.settings import (
 )
 from pipeline.stage import StageContext
 
-# The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus), and
-# one GPU where the build's accelerator gives them one (cluster.accelerator).
-MODEL_STAGE = Resources(num_cpus=2, accelerated=True)
+# The model-sized stages want both cores of a small machine (Ray sets OMP threads from num_cpus).
+MODEL_STAGE = Resources(num_cpus=2)
 # A fanned-out shard takes one core, so that two shards run side by side on one 2-core worker.
-SHARD = Resources(num_cpus=1, accelerated=True)
+SHARD = Resources(num_cpus=1)
+# The stages that place the LLM on `ctx.device` ask for one GPU where the build's accelerator gives one
+# (cluster.accelerator): profile, elastify, recover, tlm-score. The others stay on CPUs on purpose:
+# latency measures the device's own latency, and label, evaluate, corpus-generate and the CLONE
+# stages run the device SDK's model, which computes on the CPU.
+GPU_STAGE = Resources(num_cpus=2, accelerated=True)
+GPU_SHARD = Resources(num_cpus=1, accelerated=True)
 DEFAULT_SHARDS = 2  # label and clone-collect tasks, unless the spec sets `shards`
 
 ELASTILM_STAGES = ("corpus-generate", "corpus", "recover", "recover-install", "latency", "tlm-score", "label",
@@ -205,17 +210,17 @@ def run_publish(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> I
 STAGES: tuple[Stage, ...] = (
     Stage(
         name="profile", run=run_profile, settings=ProfileSettings, inputs={"model": "source.model"},
-        outputs=("importance",), resources=MODEL_STAGE, from_spec=_profile_from_spec,
+        outputs=("importance",), resources=GPU_STAGE, from_spec=_profile_from_spec,
     ),
     Stage(
         name="elastify", run=run_elastify, settings=ElastifySettings,
         inputs={"model": "source.model", "importance": "profile.importance"}, outputs=("package",),
-        resources=MODEL_STAGE, from_spec=_elastify_from_spec, runtime=("build_id",),
+        resources=GPU_STAGE, from_spec=_elastify_from_spec, runtime=("build_id",),
     ),
     Stage(
         name="recover", run=run_recover, settings=RecoverSettings,
         inputs={"package": "elastify.package", "corpus": "corpus.corpus"}, optional_inputs=frozenset({"corpus"}),
-        outputs=("adapter", "peft", "metrics"), resources=SHARD, fan_out=_recover_shards,
+        outputs=("adapter", "peft", "metrics"), resources=GPU_SHARD, fan_out=_recover_shards,
     ),
     Stage(
         name="recover-install", run=run_recover_install,
@@ -230,7 +235,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         name="tlm-score", run=run_tlm_score, settings=ScoreSettings,
         inputs={"package": "elastify.package", "compression_data": "source.compression_data"},
-        optional_inputs=frozenset({"compression_data"}), outputs=("tlm", "metrics"), resources=MODEL_STAGE,
+        optional_inputs=frozenset({"compression_data"}), outputs=("tlm", "metrics"), resources=GPU_STAGE,
     ),
     Stage(
         name="label", run=run_label, settings=LabelSettings, inputs={"package": PACKAGE, "tlm": "tlm-score.tlm"},

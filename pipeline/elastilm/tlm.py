@@ -109,13 +109,13 @@ def llm_word_labels(model, tokenizer, text: str, keep_rate: float = 0.5) -> list
     if not spans:
         return []
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = torch.tensor([encoded["input_ids"]])
     hf = getattr(model, "hf", model)
+    ids = torch.tensor([encoded["input_ids"]], device=hf.device)
     embeds = hf.model.embed_tokens(ids).detach().requires_grad_(True)
     logits = hf(inputs_embeds=embeds, use_cache=False).logits[:, :-1].float()
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     (grad,) = torch.autograd.grad(loss, embeds)
-    effect = (grad * embeds.detach()).sum(-1)[0].abs()
+    effect = (grad * embeds.detach()).sum(-1)[0].abs().tolist()  # one transfer, not one per token
     importance = [0.0] * len(spans)
     ends = [b for _, b in spans]
     for token_index, (start, end) in enumerate(encoded["offset_mapping"]):
@@ -123,7 +123,7 @@ def llm_word_labels(model, tokenizer, text: str, keep_rate: float = 0.5) -> list
             continue
         word = _word_at(spans, ends, end - 1)
         if word is not None:
-            importance[word] += effect[token_index].item()
+            importance[word] += effect[token_index]
     keep = max(1, round(keep_rate * len(spans)))
     ranked = sorted(range(len(spans)), key=lambda i: -importance[i])[:keep]
     labels = [0] * len(spans)
@@ -673,7 +673,9 @@ def run_score(inputs: dict[str, Path], options: ScoreSettings, ctx: StageContext
     if "compression_data" in inputs:
         labelled = read_compression_pairs(Path(inputs["compression_data"]))
     else:
-        llm = ElasticCausalLM.from_package(package)
+        # The LLM's forward and backward per passage are this stage's cost: on the granted device. The TLM
+        # heads train on the CPU: a 22M-parameter encoder gains less from a GPU than reserving one costs.
+        llm = ElasticCausalLM.from_package(package, device=ctx.device)
         llm.set_level(levels[-1])
         llm_tokenizer = AutoTokenizer.from_pretrained(str(package / "model"))
         texts = corpus_passages(options.texts, options.passages, options.passage_words, options.seed)
