@@ -247,7 +247,6 @@ def show(rows: list[dict]) -> None:
               f"{row.get('peak_ratio', float('nan')):.2f}", f"{row.get('above_baseline_ratio', float('nan')):.2f}",
               f"{row.get('seconds', float('nan')):.1f}", _rate(row) if "seconds" in row else "; ".join(row["error"])]
              for row in rows]
-    console.width = max(console.width, 120)
     print_table("cost per stage (shapes above 135M: random weights, cost only, never quality)",
                 ["shape", "stage", "model GiB", "peak GiB", "peak/model", "(peak-import)/model", "s", "per unit"], table)
 
@@ -276,6 +275,104 @@ def plot(rows: list[dict], path: Path) -> None:
     tmp = path.with_suffix(".tmp.png")
     fig.savefig(tmp, dpi=110)
     tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- GPU-hours of a default build
+
+
+def active_params(shape: dict) -> tuple[float, float]:
+    """(decoder linears, LM head) parameters multiplied per token, as the manifest's active_params counts them."""
+    hidden, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    q = shape["num_attention_heads"] * shape["head_dim"]
+    kv = shape["num_key_value_heads"] * shape["head_dim"]
+    decoder = layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    return float(decoder), float(hidden * shape["vocab_size"])
+
+
+def default_build_flops(shape: dict) -> list[dict]:
+    """FLOPs of each model stage of the default build (every setting at its default), by tokens × FLOPs per
+    token: 2 per active parameter forward, 4 more backward (LoRA and Taylor need activation gradients),
+    a level's active parameters being its width share of the decoder plus the whole LM head."""
+    from device_sdk.format import DEFAULT_LEVELS
+    from pipeline.settings import (
+        CorpusSettings,
+        LabelSettings,
+        ProfileSettings,
+        RecoverSettings,
+        ReportCardSettings,
+        ScoreSettings,
+    )
+
+    decoder, head = active_params(shape)
+    full = decoder + head
+    levels = [level.ratio for level in DEFAULT_LEVELS]
+    level_params = {m: m * decoder + head for m in levels}
+    below = [m for m in levels if m < 1.0]
+    layers, groups = shape["num_hidden_layers"], shape["num_key_value_heads"]
+    profile, recover, corpus = ProfileSettings(), RecoverSettings(), CorpusSettings()
+    score, label, card = ScoreSettings(), LabelSettings(), ReportCardSettings()
+    lengths = json.loads((RESULTS / "label_scale.json").read_text())["prompt_lengths"]
+    prompt = sum(lengths[task]["median_prompt_tokens"] for task in label.tasks) / len(label.tasks)
+    calibration = profile.windows * profile.window_length
+    held = profile.layer_windows * profile.window_length
+    recover_tokens = recover.steps * recover.batch_size * recover.seq_len
+    return [
+        # Taylor scores: forward + backward over the calibration windows; leave-one-out: one forward per
+        # KV group and per layer left out, over the layer windows.
+        {"stage": "profile", "tokens": calibration + held * layers * (groups + 1),
+         "flops": 6 * full * calibration + 2 * full * held * layers * (groups + 1)},
+        {"stage": "recover", "tokens": recover_tokens * len(below),
+         "flops": sum(recover_tokens * (4 * level_params[m] + 2 * full) for m in below)},
+        # Answers of ~400 prompt tokens, then max_new_tokens decoded, by the full model.
+        {"stage": "corpus-generate", "tokens": corpus.prompts * (400 + corpus.max_new_tokens),
+         "flops": 2 * full * corpus.prompts * (400 + corpus.max_new_tokens)},
+        # The LLM's gradient with respect to each passage's embeddings.
+        {"stage": "tlm-score", "tokens": score.passages * score.passage_words * 4 // 3,
+         "flops": 6 * full * score.passages * score.passage_words * 4 // 3},
+        # Every item at every prompt ratio and every level, scored once.
+        {"stage": "label", "tokens": int(len(label.tasks) * label.per_task * prompt * sum(label.ratios) * len(levels)),
+         "flops": 2 * len(label.tasks) * label.per_task * prompt * sum(label.ratios) * sum(level_params.values())},
+        {"stage": "evaluate", "tokens": int(len(levels) * (card.windows * card.window_length * len(card.corpora)
+                                                           + len(card.tasks) * card.items * 200
+                                                           + card.generation_prompts * (card.prompt_tokens + card.generation_tokens))),
+         "flops": 2 * sum(level_params.values()) * (card.windows * card.window_length * len(card.corpora)
+                                                   + len(card.tasks) * card.items * 200
+                                                   + card.generation_prompts * (card.prompt_tokens + card.generation_tokens))},
+    ]
+
+
+# Stages that compute on the granted GPU today (pipeline.chain's GPU_STAGE and GPU_SHARD).
+ON_GPU_TODAY = {"profile", "recover", "tlm-score"}
+
+
+def gpu_hours(shape_name: str) -> dict:
+    """The default build of `shape_name` on one GPU at the recovery bench's measured throughput."""
+    measured = json.loads((RESULTS / "gpu-recovery.json").read_text())
+    runs = [run for run in measured["runs"] if run.get("loss") == "distill"]
+    conservative = min(runs, key=lambda run: run["achieved_tflops"])  # the smallest batch measured
+    best = max(runs, key=lambda run: run["achieved_tflops"])
+    stages = default_build_flops(SHAPES[shape_name])
+    total = sum(stage["flops"] for stage in stages)
+    for stage in stages:
+        stage["hours_conservative"] = stage["flops"] / (conservative["achieved_tflops"] * 1e12) / 3600
+        stage["hours_best"] = stage["flops"] / (best["achieved_tflops"] * 1e12) / 3600
+        stage["on_gpu_today"] = stage["stage"] in ON_GPU_TODAY
+    return {"shape": shape_name, "method": "FLOPs of the default build at the achieved FLOP/s of bench_gpu_recovery "
+                                           "(measured on a GPU, SmolLM2's shapes), not measured at this shape",
+            "device": conservative["device"], "tflops_conservative": conservative["achieved_tflops"],
+            "tflops_best": best["achieved_tflops"], "stages": stages,
+            "gpu_hours_conservative": total / (conservative["achieved_tflops"] * 1e12) / 3600,
+            "gpu_hours_best": total / (best["achieved_tflops"] * 1e12) / 3600}
+
+
+def show_gpu_hours(estimate: dict) -> None:
+    rows = [[stage["stage"], f"{stage['tokens'] / 1e6:.2f}", f"{stage['flops'] / 1e15:.1f}",
+             f"{stage['hours_conservative']:.2f}", f"{stage['hours_best']:.2f}", "yes" if stage["on_gpu_today"] else "no (CPU)"]
+            for stage in estimate["stages"]]
+    rows.append(["total", "", "", f"{estimate['gpu_hours_conservative']:.2f}", f"{estimate['gpu_hours_best']:.2f}", ""])
+    print_table(f"default build of {estimate['shape']}: GPU-hours by FLOPs at {estimate['tflops_conservative']:.1f} and "
+                f"{estimate['tflops_best']:.1f} TFLOP/s ({estimate['device']}; ElastiLM reports 68 h for 7B)",
+                ["stage", "Mtokens", "PFLOP", "h (conservative)", "h (best)", "on a GPU today"], rows)
 
 
 # --------------------------------------------------------------------------- the whole chain through the service
@@ -354,7 +451,6 @@ def show_service(result: dict) -> None:
     rows = [[a["stage"], a["status"], f"{a['wall_seconds'] or 0:.1f}",
              *(f"{(a[key] or 0) / 2**20:.1f}" if a.get(key) is not None else "-"
                for key in ("bytes_fetched", "bytes_stored", "bytes_cached"))] for a in result["attempts"]]
-    console.width = max(console.width, 120)
     print_table(f"{result['shape']} through the service ({result['status']}, {result['wall_seconds']:.0f} s)",
                 ["stage", "status", "wall s", "fetched MiB", "stored MiB", "from node cache MiB"], rows)
     fetched = sum(a.get("bytes_fetched") or 0 for a in result["attempts"])
@@ -380,6 +476,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.model, args.work)))
         return
+    console.width = max(console.width, 120)
     load_before = os.getloadavg()
     if args.service:
         result = service(args.service, args.root, args.timeout)
@@ -389,12 +486,15 @@ def main() -> None:
                           **{key: value for key, value in result.items() if key != "attempts"})
         return
     rows = measure(args.shapes, args.root)
+    estimates = [gpu_hours(shape) for shape in SHAPES]
+    for estimate in estimates:
+        show_gpu_hours(estimate)
     if args.merge and (RESULTS / "scale.json").is_file():
         kept = [row for row in json.loads((RESULTS / "scale.json").read_text())["rows"] if row["shape"] not in args.shapes]
         rows = kept + rows
     show(rows)
     if not args.no_results:
-        write_results("scale", args, rows, load_before,
+        write_results("scale", args, rows, load_before, gpu_hours=estimates,
                       note="shapes other than smollm2-135m are random weights: cost, never quality")
         plot(rows, RESULTS / "scale.png")
 
