@@ -128,6 +128,13 @@ class Attempt(Base):
     wall_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     cpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)  # wall × GPUs granted
+    # What the attempt moved (workers.runner measures it; None for attempts that never reported): bytes
+    # read from the store, bytes it added to the store (content already there is not stored again), bytes
+    # served by the node's cache, and the worker process's peak resident memory while it ran.
+    bytes_fetched: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_stored: Mapped[int | None] = mapped_column(BigInteger)
+    bytes_cached: Mapped[int | None] = mapped_column(BigInteger)
+    peak_rss_bytes: Mapped[int | None] = mapped_column(BigInteger)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     # Last renewal of the stage's lease by the scheduler that ran this attempt: a lease-expired
     # attempt is charged up to here, not for the whole outage until another scheduler noticed.

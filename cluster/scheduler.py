@@ -48,6 +48,7 @@ from workers.store import ArtifactRef, StoreError
 log = logging.getLogger("elastify.scheduler")
 PIPELINE_VERSION = pipeline_version()
 EVENT_DRAIN_SECONDS = 0.25
+TRAFFIC = ("bytes_fetched", "bytes_stored", "bytes_cached", "peak_rss_bytes")  # from the runner's result, when it reports them
 STORE_SWEEP_SECONDS = 30.0  # how often dead attempts' partial outputs are looked for
 
 
@@ -501,7 +502,8 @@ class Scheduler:
         with self.sessions.begin() as session:
             advance(session, Attempt, info.attempt_id, Status.RUNNING, status, exit=exit, error=result.get("error"),
                     wall_seconds=wall, cpu_seconds=result.get("cpu_seconds") or 0.0,
-                    gpu_seconds=wall * info.num_gpus, ended_at=utcnow())
+                    gpu_seconds=wall * info.num_gpus, ended_at=utcnow(),
+                    **{name: result[name] for name in TRAFFIC if result.get(name) is not None})
             if not result["ok"]:
                 stage = session.get(Stage, info.stage_id)
                 if stage.status == Status.RUNNING.value and stage.lease_owner == self.owner:

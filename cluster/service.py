@@ -336,7 +336,9 @@ def build_summary(sessions: sessionmaker[Session], build_id: str) -> dict[str, A
                 "error": stage.error, "seconds": duration,
                 "attempts": [
                     {"number": a.number, "status": a.status, "exit": a.exit, "error": a.error,
-                     "wall_seconds": a.wall_seconds, "cpu_seconds": a.cpu_seconds, "gpu_seconds": a.gpu_seconds}
+                     "wall_seconds": a.wall_seconds, "cpu_seconds": a.cpu_seconds, "gpu_seconds": a.gpu_seconds,
+                     "bytes_fetched": a.bytes_fetched, "bytes_stored": a.bytes_stored, "bytes_cached": a.bytes_cached,
+                     "peak_rss_bytes": a.peak_rss_bytes}
                     for a in attempts
                 ],
                 "artifacts": {
