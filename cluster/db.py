@@ -33,8 +33,33 @@ def make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA foreign_keys=ON")
             cursor.close()
 
+        @event.listens_for(engine, "begin")
+        def _begin(connection):  # pysqlite begins lazily (deferred) by itself unless asked for the lock first
+            if connection.get_execution_options().get(_WRITE_LOCK):
+                connection.exec_driver_sql("BEGIN IMMEDIATE")
+
         return engine
     return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+_WRITE_LOCK = "elastify_begin_immediate"
+
+
+def lock_for_write(session: Session) -> None:
+    """On SQLite, make the session's transaction hold the database's write lock from its start (BEGIN
+    IMMEDIATE), so a check it reads stays true until it commits what it decided. SQLite ignores
+    SELECT … FOR UPDATE, and pysqlite's own BEGIN is deferred to the first INSERT, after the check.
+    Call it before the transaction's first statement (RuntimeError otherwise); calling it again in the
+    same transaction does nothing. On PostgreSQL it does nothing: callers lock their rows FOR UPDATE."""
+    if session.get_bind().dialect.name != "sqlite":
+        return
+    transaction = session.get_transaction()
+    if transaction is not None and session.info.get(_WRITE_LOCK) is transaction:
+        return
+    connection = session.connection(execution_options={_WRITE_LOCK: True})  # begins: the "begin" event
+    if not connection.get_execution_options().get(_WRITE_LOCK):
+        raise RuntimeError("lock_for_write was called after the transaction's first statement")
+    session.info[_WRITE_LOCK] = session.get_transaction()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

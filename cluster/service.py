@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from cluster.accelerator import granted_resources
 from cluster.capacity import Capacity
 from cluster.dag import ExternalPath, plan
+from cluster.db import lock_for_write
 from cluster.models import (
     Alias,
     Artifact,
@@ -77,7 +78,9 @@ def ensure_tenant(session: Session, tenant: str) -> None:
 
 
 def _locked_tenant(session: Session, tenant: str) -> Tenant:
-    """The tenant row, locked for this transaction: quota checks and inserts of one tenant serialise."""
+    """The tenant row, locked for this transaction: quota checks and inserts of one tenant serialise (on
+    SQLite the whole database's write lock, taken first: it has no row locks)."""
+    lock_for_write(session)
     ensure_tenant(session, tenant)
     return session.get(Tenant, tenant, with_for_update=True, populate_existing=True)
 
@@ -364,6 +367,7 @@ def retry_build(sessions: sessionmaker[Session], build_id: str, tenant: str | No
     """Re-queue a failed or cancelled build's failed and cancelled stages; finished stages are kept
     (their artifacts feed the re-run). Returns how many stages were re-queued."""
     with sessions.begin() as session:
+        lock_for_write(session)  # before reading the build: the quota check below must see what is committed
         build = _owned_build(session, build_id, tenant, lock=True)
         if Status(build.status) not in REOPENABLE:
             raise StateConflict(f"build {build_id} is {build.status}; only failed or cancelled builds can be retried")

@@ -1,0 +1,51 @@
+"""Concurrent submissions and uploads of one tenant, released together, for the quota race tests on
+SQLite (tests/unit/cluster) and PostgreSQL (tests/integration)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from sqlalchemy import func, select
+
+from cluster.models import Build, Upload
+from cluster.service import QuotaExceeded, record_upload, submit
+from cluster.spec import parse_spec
+from tests.support.api import spec
+from tests.support.control_plane import chain_registry
+
+
+def race(count: int, attempt) -> list[str]:
+    """Run `attempt(i)` in `count` threads released by one barrier; 'ok' or 'quota' per thread."""
+    start = threading.Barrier(count)
+
+    def one(index: int) -> str:
+        start.wait()
+        try:
+            attempt(index)
+            return "ok"
+        except QuotaExceeded:
+            return "quota"
+
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(one, range(count)))
+
+
+def concurrent_submissions(sessions, tenant: str, count: int) -> list[str]:
+    registry = chain_registry()
+    specs = [parse_spec(spec(version=str(i)), registry) for i in range(count)]
+    return race(count, lambda i: submit(sessions, specs[i], registry, tenant=tenant))
+
+
+def concurrent_uploads(sessions, tenant: str, count: int, size: int, quota: int) -> list[str]:
+    return race(count, lambda i: record_upload(sessions, tenant, f"{i:064x}", "file", f"u{i}", size, quota))
+
+
+def builds_of(sessions, tenant: str) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.count()).select_from(Build).where(Build.tenant_id == tenant))
+
+
+def uploaded_of(sessions, tenant: str) -> int:
+    with sessions() as session:
+        return session.scalar(select(func.coalesce(func.sum(Upload.size), 0)).where(Upload.tenant_id == tenant))
