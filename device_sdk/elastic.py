@@ -16,7 +16,10 @@ like the global level index of mllm's elastic kernels.
 
 By default `forward` runs torch on fp32 storage. `use_kernel` routes it through a kernel
 from `device_sdk.kernels` instead (native C++/OpenMP, or its torch reference), which also
-accepts fp16 storage and int8 storage with per-output-channel `scales`.
+accepts fp16 storage and block-quantised storage (`device_sdk.quant`: int8 and int4 blocks of 32
+along the reduction). A block-quantised layer keeps the packed uint8 tensor as `storage`, its
+format as `block_format` and the unpacked tensor's shape as `shape`; its widths are leading
+slices of the packed tensor too (whole rows, or for column units whole 32-input block-rows).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from device_sdk.quant import QUANTIZED_FORMATS, packed_rows
 
 UnitAxis = Literal["out", "in"]
 Width = tuple  # (units, weight view, bias view), as made by ElasticLinear.prepare_width
@@ -57,20 +62,27 @@ class ElasticLinear(nn.Module):
         *,
         unit_axis: UnitAxis,
         unit_size: int,
+        block_format: str | None = None,
+        shape: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if unit_axis not in ("out", "in"):
             raise ValueError(f"unit_axis must be 'out' or 'in', not {unit_axis!r}")
-        if storage.dim() != 2 or storage.shape[0] % unit_size:
-            raise ValueError(f"storage {tuple(storage.shape)} is not a whole number of {unit_size}-row units")
-        if bias is not None and unit_axis == "out" and bias.shape[0] != storage.shape[0]:
+        if block_format is not None and (block_format not in QUANTIZED_FORMATS or shape is None):
+            raise ValueError(f"block-quantised storage needs a format in {QUANTIZED_FORMATS} and its unpacked shape")
+        shape = tuple(storage.shape) if block_format is None else tuple(shape)
+        if storage.dim() != 2 or shape[0] % unit_size:
+            raise ValueError(f"storage {shape} is not a whole number of {unit_size}-row units")
+        if bias is not None and unit_axis == "out" and bias.shape[0] != shape[0]:
             raise ValueError("a row-unit bias must have one entry per stored row")
         self.unit_axis: UnitAxis = unit_axis
         self.unit_size = unit_size
-        self.max_units = storage.shape[0] // unit_size
+        self.block_format = block_format
+        self.shape = shape  # the unpacked unit-major storage's [rows, cols]
+        self.max_units = shape[0] // unit_size
         self.storage = nn.Parameter(storage, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.scales: torch.Tensor | None = None  # int8 storage: one fp32 scale per output channel
+        self.scales: torch.Tensor | None = None  # per-channel int8 storage: one fp32 scale per output channel
         self.kernel = None  # callable(x, layer) -> y, set by use_kernel
         self.cursor: LevelCursor | None = None
         self.level_widths: list[Width] = []
@@ -85,11 +97,11 @@ class ElasticLinear(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.storage.shape[1] if self.unit_axis == "out" else self.active_rows
+        return self.shape[1] if self.unit_axis == "out" else self.active_rows
 
     @property
     def out_features(self) -> int:
-        return self.active_rows if self.unit_axis == "out" else self.storage.shape[1]
+        return self.active_rows if self.unit_axis == "out" else self.shape[1]
 
     @property
     def active_rows(self) -> int:
@@ -124,7 +136,8 @@ class ElasticLinear(nn.Module):
         rows = units * self.unit_size
         bias = self.bias
         # Leading slices of contiguous storage: views, never copies.
-        return units, self.storage[:rows], bias[:rows] if bias is not None and self.unit_axis == "out" else bias
+        stored = rows if self.block_format is None else packed_rows(self.unit_axis, rows)
+        return units, self.storage[:stored], bias[:rows] if bias is not None and self.unit_axis == "out" else bias
 
     def apply_width(self, prepared: Width) -> None:
         if self.cursor is not None and self.cursor.index >= 0:
@@ -144,6 +157,8 @@ class ElasticLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x, self)
+        if self.block_format is not None:
+            raise ValueError("block-quantised storage runs through a kernel (device_sdk.kernels.make_linear)")
         units, weight, bias = self.width
         if self.unit_axis == "out":
             return F.linear(x, weight, bias)

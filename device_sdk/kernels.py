@@ -9,9 +9,13 @@ runs instead, with a warning.
 C++ call (csrc/decoder.h) over the same storage; the Python forward stays the reference and
 does prefill.
 
-Weight formats: "fp32", "fp16" (storage only; compute is fp32) and "int8" (weight-only,
-symmetric, one scale per output channel — per row of W, per column of the transposed Wt —
-so every prefix width shares the same scales and switching stays copy-free).
+Weight formats: "fp32", "fp16" (storage only; compute is fp32), and "int8" / "int4": blocks of 32
+along the reduction dimension with one fp16 scale (llama.cpp's Q8_0 / Q4_0 blocks), laid out so
+that every width is a prefix of the packed tensor (device_sdk/quant.py). Their native kernels
+quantise each input row to int8 blocks and use integer dot products (csrc/quant.h: AVX2,
+AVX-VNNI / AVX-512 VNNI where the build has them, and a scalar path). ELASTIFY_KERNEL_ISA
+(scalar, avx2, vnni; default: the best this machine has) or `set_kernel_isa` picks one.
+Many rows at once (prefill) dequantise the active prefix to fp32 and run torch's GEMM.
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from pathlib import Path
 
 import torch
 
+from device_sdk import quant
 from device_sdk.elastic import ElasticLinear, UnitAxis
 from device_sdk.llama import PROJECTIONS  # in decoder.h's slot order
 
-WEIGHT_FORMATS = ("fp32", "fp16", "int8")
+WEIGHT_FORMATS = ("fp32", "fp16") + quant.QUANTIZED_FORMATS
 SOURCE = Path(__file__).parent / "csrc" / "elastic_linear.cpp"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -83,6 +88,7 @@ def native_module():
                 spec = importlib.util.spec_from_file_location(name, str(built), loader=loader)
                 _native_module = importlib.util.module_from_spec(spec)
                 loader.exec_module(_native_module)
+                _choose_isa(_native_module)
                 return _native_module
             from torch.utils.cpp_extension import load
 
@@ -95,43 +101,53 @@ def native_module():
                 build_directory=str(build_dir),
                 verbose=False,
             )
+            _choose_isa(_native_module)
         except Exception as err:  # no compiler, no headers, a failed build: run on torch instead
             warnings.warn(f"native ElasticLinear kernel unavailable ({err}); using the torch fallback", stacklevel=2)
             _native_module = None
         return _native_module
 
 
+def _choose_isa(module) -> None:
+    module.set_quant_isa(os.environ.get("ELASTIFY_KERNEL_ISA", "auto"))
+
+
+def kernel_isas() -> list[str]:
+    """Instruction sets the native quantised kernels can use on this machine, best last ([] without them)."""
+    module = native_module()
+    return [] if module is None else list(module.quant_isas())
+
+
+def set_kernel_isa(name: str = "auto") -> str:
+    """Run every quantised native kernel on `name` ("scalar", "avx2", "vnni", "auto"); returns the one chosen."""
+    return native_module().set_quant_isa(name)
+
+
 # --------------------------------------------------------------------------- weight formats
 
 
-def quantize_int8(storage: torch.Tensor, unit_axis: UnitAxis) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 with one scale per output channel: rows of W, columns of Wt."""
-    weight = storage.float()
-    reduce_dim = 1 if unit_axis == "out" else 0
-    scales = weight.abs().amax(dim=reduce_dim).clamp_min(1e-12) / 127.0
-    shaped = scales[:, None] if unit_axis == "out" else scales[None, :]
-    quantized = torch.round(weight / shaped).clamp_(-127, 127).to(torch.int8)
-    return quantized.contiguous(), scales.contiguous()
-
-
-def convert_storage(
-    storage: torch.Tensor, unit_axis: UnitAxis, weight_format: str
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Storage (and scales) in `weight_format`; fp32 storage in fp32 is returned as is (still memory-mapped)."""
+def convert_storage(storage: torch.Tensor, unit_axis: UnitAxis, weight_format: str) -> torch.Tensor:
+    """Storage in `weight_format` (int8/int4: packed blocks); fp32 storage in fp32 is returned as is (still memory-mapped)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, not {weight_format!r}")
-    if weight_format == "int8":
-        return quantize_int8(storage, unit_axis)
+    if weight_format in quant.QUANTIZED_FORMATS:
+        return quant.quantize(storage, unit_axis, weight_format)
     dtype = torch.float16 if weight_format == "fp16" else torch.float32
-    return (storage if storage.dtype == dtype else storage.to(dtype).contiguous()), None
+    return storage if storage.dtype == dtype else storage.to(dtype).contiguous()
 
 
 # --------------------------------------------------------------------------- the two kernels
 
 
 def reference_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
-    """Torch over the same prefix, dequantizing the active rows per call: the oracle, and the many-row path."""
-    weight = layer.active_weight.float()
+    """Torch over the same prefix, dequantizing the active rows per call: the oracle, and the many-row path.
+
+    (For block-quantised storage the native single-row kernel also quantises the activations, so
+    this is its reference only up to that; quant.reference_gemv is the exact one.)"""
+    if layer.block_format is not None:
+        weight = quant.dequantize(layer.storage, layer.unit_axis, layer.block_format, layer.active_rows, layer.shape[1])
+    else:
+        weight = layer.active_weight.float()
     if layer.scales is not None:
         scales = layer.scales[: layer.active_rows] if layer.unit_axis == "out" else layer.scales
         weight = weight * (scales[:, None] if layer.unit_axis == "out" else scales[None, :])
@@ -147,7 +163,20 @@ def reference_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
 # From this many input rows on (prefill, batched scoring) torch's GEMM beats the native kernel,
 # which is shaped for decode's single row. Measured on SmolLM2's MLP shapes at one thread:
 # 128 rows fp32 3.5 ms torch vs 7.8 ms native; fp16/int8 (dequantized per call) 2.8-4.8 vs 3.7-7.9.
-GEMM_ROWS = {torch.float32: 16, torch.float16: 64, torch.int8: 64}
+# Block-quantised storage (uint8): one integer GEMV per row; from 16 rows on the active prefix is
+# dequantised once (in C++) for torch's GEMM (not yet measured on this machine: a guess from
+# the fp32 crossover).
+GEMM_ROWS = {torch.float32: 16, torch.float16: 64, torch.int8: 64, torch.uint8: 16}
+
+
+def _quantized_linear(flat: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
+    module, fmt = native_module(), quant.FORMAT_CODES[layer.block_format]
+    rows_active, cols, row_units = layer.active_rows, layer.shape[1], layer.unit_axis == "out"
+    if flat.shape[0] >= GEMM_ROWS[torch.uint8]:
+        weight = module.dequantize(layer.storage, fmt, rows_active, cols, row_units)  # [out, in]
+        bias = layer.active_bias
+        return torch.nn.functional.linear(flat, weight, None if bias is None else bias.float())
+    return module.quant_linear(flat, layer.storage, fmt, rows_active, cols, row_units, layer.bias)
 
 
 def native_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
@@ -156,6 +185,11 @@ def native_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
     Many rows at once go to torch's GEMM over the same prefix instead (see GEMM_ROWS).
     """
     flat = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    if layer.block_format is not None:
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.float().contiguous()
+        y = _quantized_linear(flat, layer)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if flat.shape[0] >= GEMM_ROWS[layer.storage.dtype]:
         return reference_linear(x, layer)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
@@ -176,12 +210,14 @@ def make_linear(
     native: bool = True,
 ) -> ElasticLinear:
     """An ElasticLinear in `weight_format`, on the native kernel when it builds (else torch)."""
-    weights, scales = convert_storage(storage, unit_axis, weight_format)
+    weights = convert_storage(storage, unit_axis, weight_format)
     bias = None if bias is None else bias.float()
-    layer = ElasticLinear(weights, bias, unit_axis=unit_axis, unit_size=unit_size)
+    quantized = weight_format in quant.QUANTIZED_FORMATS
+    layer = ElasticLinear(weights, bias, unit_axis=unit_axis, unit_size=unit_size,
+                          block_format=weight_format if quantized else None, shape=tuple(storage.shape))
     use_native = native and native_module() is not None
     if use_native or weight_format != "fp32":
-        layer.use_kernel(native_linear if use_native else reference_linear, scales)
+        layer.use_kernel(native_linear if use_native else reference_linear)
     return layer
 
 
@@ -189,7 +225,8 @@ def make_linear(
 
 
 def _spec(linear: ElasticLinear) -> tuple:
-    return linear.storage, linear.scales, linear.bias
+    """(storage, scales, bias, block format code, unpacked columns): decoder.h's ProjectionSpec."""
+    return linear.storage, linear.scales, linear.bias, quant.FORMAT_CODES.get(linear.block_format, 0), linear.shape[1]
 
 
 class NativeDecoder:

@@ -25,18 +25,22 @@
 #include <thread>
 #include <vector>
 
+#include "quant.h"
 #include "simd.h"
 
 namespace elastic {
 
-// One ElasticLinear: its whole storage ([rows, in] row units, or transposed [in, out]),
-// per-output-channel scales for int8, an optional bias, and the active LoRA, y += s·B·(A·x)
-// with A [r, in_active], B [out_active, r].
+// One ElasticLinear: its whole storage ([rows, in] row units, or transposed [in, out]; or those
+// packed in quant.h's blocks, `fmt`), per-output-channel scales for per-channel int8, an optional
+// bias, and the active LoRA, y += s·B·(A·x) with A [r, in_active], B [out_active, r].
 struct Projection {
   torch::Tensor storage, scales, bias, lora_a, lora_b;
   float lora_scale = 0;
+  int64_t fmt = quant::NONE;
+  int64_t logical_cols = 0;  // in (row units) or out (column units): the unpacked storage's columns
 
-  int64_t cols() const { return storage.size(1); }
+  int64_t cols() const { return logical_cols; }
+  bool quantized() const { return fmt != quant::NONE; }
   bool has_lora() const { return lora_a.defined(); }
   int64_t rank() const { return has_lora() ? lora_a.size(0) : 0; }
 
@@ -75,10 +79,20 @@ struct Projection {
     }
   }
 
-  // Row units: y[n] for active output rows [begin, end) (a prefix of the stored rows).
-  void rows(const float* x, float* y, int64_t begin, int64_t end, const float* t) const {
-    with_weights([&](auto* w) { gemv_rows(x, w, cols(), begin, end, y); });
+  // Row units: y[n] for active output rows [begin, end) (a prefix of the stored rows); `xq` is x
+  // quantised, which block-quantised storage reads instead of x.
+  void rows(const float* x, const quant::Activations& xq, float* y, int64_t begin, int64_t end, const float* t) const {
+    if (quantized())
+      quant::gemv_rows(fmt, storage.data_ptr<uint8_t>(), cols(), xq, begin, end, y, quant::active_isa());
+    else
+      with_weights([&](auto* w) { gemv_rows(x, w, cols(), begin, end, y); });
     finish(y, begin, end, t);
+  }
+
+  // Block-quantised column units: y[n] for outputs [begin, end) over the active inputs, whose
+  // quantised blocks are `xq` (its block count is the active width, rounded up).
+  void columns_quantized(const quant::Activations& xq, float* y, int64_t begin, int64_t end) const {
+    quant::gemv_columns(fmt, storage.data_ptr<uint8_t>(), cols(), xq, begin, end, y, quant::active_isa());
   }
 
   // Column units, one run [k_begin, k_end) of the active stored rows (inputs): partial[n] =
@@ -152,6 +166,7 @@ class Decoder {
     layer.attn_norm = attn_norm.contiguous();
     layer.mlp_norm = mlp_norm.contiguous();
     std::copy(projections.begin(), projections.end(), layer.proj);
+    for (const Projection& p : layer.proj) quantized_ = quantized_ || p.quantized();
     layer.groups = layer.proj[K].storage.size(0) / head_dim_;
     layer.neurons = layer.proj[UP].storage.size(0);
     max_q_ = std::max(max_q_, layer.proj[Q].storage.size(0));
@@ -231,6 +246,10 @@ class Decoder {
     {
       const int64_t team = omp_get_num_threads();
       std::vector<float> h(hidden_), t(3 * max_rank_ + 1), scores(keys.size(3));
+      // h quantised for block-quantised projections, and the input of o/down (each thread
+      // quantises its own copy: a few hundred values, cheaper than another barrier).
+      quant::Activations hq, inq;
+      const int64_t isa = quant::active_isa();
       float* tq = t.data();
       float* tk = tq + max_rank_;
       float* tv = tk + max_rank_;
@@ -240,6 +259,7 @@ class Decoder {
         if (layer.groups > 0) {
           const int64_t q_rows = layer.groups * n_rep_ * head_dim_, kv_rows = layer.groups * head_dim_;
           rms_norm(layer.attn_norm, h.data());
+          if (quantized_) hq.set(h.data(), hidden_, isa);
           if (p[Q].has_lora()) p[Q].lora_down(h.data(), tq);
           if (p[K].has_lora()) p[K].lora_down(h.data(), tk);
           if (p[V].has_lora()) p[V].lora_down(h.data(), tv);
@@ -248,14 +268,14 @@ class Decoder {
 #pragma omp for schedule(static) nowait
           for (int64_t b = 0; b < q_blocks + 2 * kv_blocks; ++b) {
             if (b < q_blocks) {
-              p[Q].rows(h.data(), q_.data(), b * 16, std::min(q_rows, b * 16 + 16), tq);
+              p[Q].rows(h.data(), hq, q_.data(), b * 16, std::min(q_rows, b * 16 + 16), tq);
             } else {
               const bool is_k = b < q_blocks + kv_blocks;
               const int64_t first = (b - q_blocks - (is_k ? 0 : kv_blocks)) * 16, last = std::min(kv_rows, first + 16);
               if (is_k)
-                p[K].rows(h.data(), k_.data(), first, last, tk);
+                p[K].rows(h.data(), hq, k_.data(), first, last, tk);
               else
-                p[V].rows(h.data(), v_.data(), first, last, tv);
+                p[V].rows(h.data(), hq, v_.data(), first, last, tv);
             }
           }
           barrier_.wait(team);
@@ -263,18 +283,19 @@ class Decoder {
           for (int64_t g = 0; g < layer.groups; ++g) attend(i, g, position, keys, values, scores.data());
           barrier_.wait(team);
           if (p[O].has_lora()) p[O].lora_down(attention_.data(), tq);
-          add_columns(p[O], attention_.data(), q_rows, tq, team);
+          add_columns(p[O], attention_.data(), q_rows, tq, team, inq);
         }
         if (layer.neurons > 0) {
           const int64_t neurons = layer.neurons;
           rms_norm(layer.mlp_norm, h.data());
+          if (quantized_) hq.set(h.data(), hidden_, isa);
           if (p[GATE].has_lora()) p[GATE].lora_down(h.data(), tq);
           if (p[UP].has_lora()) p[UP].lora_down(h.data(), tk);
 #pragma omp for schedule(static) nowait
           for (int64_t b = 0; b < (neurons + 15) / 16; ++b) {
             const int64_t first = b * 16, last = std::min(neurons, first + 16);
-            p[GATE].rows(h.data(), activation_.data(), first, last, tq);
-            p[UP].rows(h.data(), up_.data(), first, last, tk);
+            p[GATE].rows(h.data(), hq, activation_.data(), first, last, tq);
+            p[UP].rows(h.data(), hq, up_.data(), first, last, tk);
             for (int64_t n = first; n < last; ++n) {
               const float gate = activation_[n];
               activation_[n] = gate / (1.0f + std::exp(-gate)) * up_[n];
@@ -282,12 +303,13 @@ class Decoder {
           }
           barrier_.wait(team);
           if (p[DOWN].has_lora()) p[DOWN].lora_down(activation_.data(), tq);
-          add_columns(p[DOWN], activation_.data(), neurons, tq, team);
+          add_columns(p[DOWN], activation_.data(), neurons, tq, team, inq);
         }
       }
       rms_norm(final_norm_, h.data());
+      if (lm_head_.quantized()) hq.set(h.data(), hidden_, isa);
 #pragma omp for schedule(static)
-      for (int64_t b = 0; b < (vocab + 63) / 64; ++b) lm_head_.rows(h.data(), out, b * 64, std::min(vocab, b * 64 + 64), nullptr);
+      for (int64_t b = 0; b < (vocab + 63) / 64; ++b) lm_head_.rows(h.data(), hq, out, b * 64, std::min(vocab, b * 64 + 64), nullptr);
     }
     return logits;
   }
@@ -302,8 +324,22 @@ class Decoder {
   // the transposed storage (splitting by output columns instead gave each thread short strided
   // pieces of every row). Then each thread adds up the chunks of its run of outputs, in chunk
   // order: the chunks do not depend on the team size, so neither does any bit of the result.
-  void add_columns(const Projection& proj, const float* input, int64_t active, const float* lora_t, int64_t team) {
+  //
+  // Block-quantised storage is split by outputs instead: there block-row b holds every output's
+  // 32-input block side by side, so a thread's run of outputs is one contiguous piece of each
+  // block-row, and each output is still summed by one thread in one order.
+  void add_columns(const Projection& proj, const float* input, int64_t active, const float* lora_t, int64_t team,
+                   quant::Activations& inq) {
     const int64_t thread = omp_get_thread_num(), chunks = (active + kColumnChunk - 1) / kColumnChunk;
+    if (proj.quantized()) {
+      inq.set(input, active, quant::active_isa());
+      const auto [begin, end] = split(hidden_, team, thread, 16);
+      proj.columns_quantized(inq, update_.data(), begin, end);
+      proj.finish(update_.data(), begin, end, lora_t);
+      for (int64_t n = begin; n < end; ++n) x_[n] += update_[n];
+      barrier_.wait(team);
+      return;
+    }
     const auto [first, last] = split(chunks, team, thread, 1);
     for (int64_t c = first; c < last; ++c)
       proj.column_partial(input, c * kColumnChunk, std::min(active, (c + 1) * kColumnChunk), partial_.data() + c * hidden_);
@@ -388,6 +424,7 @@ class Decoder {
   int64_t head_dim_, n_rep_;
   float eps_;
   int64_t window_, hidden_ = 0, max_q_ = 0, max_kv_ = 0, max_neurons_ = 0, max_rank_ = 0;
+  bool quantized_ = false;  // some layer projection is block-quantised: quantise h once per sub-layer
   torch::Tensor inv_freq_, embed_, final_norm_;
   Projection lm_head_;
   std::vector<Layer> layers_;

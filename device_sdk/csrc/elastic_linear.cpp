@@ -10,6 +10,10 @@
 // the output channels (OpenMP); M == 1 (decode) runs a GEMV, M > 1 (prefill) a GEMM that
 // dequantizes each weight tile once and reuses it for every input row.
 //
+// Block-quantised storage (quant.h: int8 and int4 blocks of 32 along the reduction) runs
+// `quant_linear`: each input row is quantised to int8 blocks and multiplied with integer dot
+// products; `dequantize` unpacks an active prefix to fp32 for the many-row (prefill) path.
+//
 // The module also exports the whole-model decode step (decoder.h) as `Decoder`.
 
 #include <torch/extension.h>
@@ -17,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #ifdef __F16C__
@@ -222,31 +227,151 @@ torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::option
   return y;
 }
 
-// (storage, scales, bias) of one ElasticLinear, as the decoder keeps it.
-using ProjectionSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>>;
+namespace {
 
-elastic::Projection make_projection(const ProjectionSpec& spec) {
+using elastic::quant::block_bytes;
+using elastic::quant::blocks_for;
+
+// Shape checks of a packed tensor: row units [rows, ceil(cols/32)·B], column units [ceil(in/32), cols·B].
+void check_packed(const torch::Tensor& packed, int64_t fmt, int64_t cols, bool row_units) {
+  TORCH_CHECK(fmt == elastic::quant::Q8 || fmt == elastic::quant::Q4, "unknown block format ", fmt);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kByte && packed.is_contiguous() &&
+                  packed.device().is_cpu(), "packed storage must be contiguous 2-D uint8 on the CPU");
+  const int64_t expected = row_units ? blocks_for(cols) * block_bytes(fmt) : cols * block_bytes(fmt);
+  TORCH_CHECK(packed.size(1) == expected, "packed storage has ", packed.size(1), " bytes a row, expected ", expected);
+}
+
+}  // namespace
+
+// x: [M, K] fp32; packed: the whole packed tensor; active: stored rows in use (outputs of row
+// units, inputs of column units); cols: the unpacked storage's columns (in, or out).
+torch::Tensor quant_linear(torch::Tensor x, torch::Tensor packed, int64_t fmt, int64_t active, int64_t cols,
+                           bool row_units, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
+  check_packed(packed, fmt, cols, row_units);
+  const int64_t stored = row_units ? packed.size(0) : packed.size(0) * elastic::quant::BLOCK;
+  TORCH_CHECK(0 <= active && active <= stored, "active rows out of range");
+  const int64_t M = x.size(0), K = row_units ? cols : active, N = row_units ? active : cols;
+  TORCH_CHECK(x.size(1) == K, "input has ", x.size(1), " features, the active width needs ", K);
+  auto y = torch::zeros({M, N}, x.options());
+  if (M > 0 && N > 0 && K > 0) {
+    const int64_t isa = elastic::quant::active_isa();
+    std::vector<elastic::quant::Activations> rows(M);
+    for (int64_t m = 0; m < M; ++m) rows[m].set(x.data_ptr<float>() + m * K, K, isa);
+    const uint8_t* w = packed.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    constexpr int64_t TILE = 16;
+    const int64_t tiles = (N + TILE - 1) / TILE;
+#pragma omp parallel for num_threads(threads_for(M * tiles, M * N * K)) schedule(static)
+    for (int64_t item = 0; item < M * tiles; ++item) {
+      const int64_t m = item / tiles, begin = (item % tiles) * TILE, end = std::min(N, begin + TILE);
+      if (row_units)
+        elastic::quant::gemv_rows(fmt, w, cols, rows[m], begin, end, yp + m * N, isa);
+      else
+        elastic::quant::gemv_columns(fmt, w, cols, rows[m], begin, end, yp + m * N, isa);
+    }
+  }
+  if (bias.has_value()) y.add_(row_units ? bias->narrow(0, 0, N) : *bias);
+  return y;
+}
+
+// The active prefix as an fp32 weight in [out, in] form (what torch's linear takes): row units
+// W[:active], column units Wt[:active]ᵀ, so both write whole blocks contiguously.
+torch::Tensor dequantize(torch::Tensor packed, int64_t fmt, int64_t active, int64_t cols, bool row_units) {
+  check_packed(packed, fmt, cols, row_units);
+  const int64_t size = block_bytes(fmt);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  if (row_units) {
+    TORCH_CHECK(0 <= active && active <= packed.size(0), "active rows out of range");
+    auto out = torch::empty({active, cols}, torch::kFloat);
+    float* o = out.data_ptr<float>();
+    const int64_t nb = blocks_for(cols);
+#pragma omp parallel for num_threads(threads_for(active, active * cols * 4)) schedule(static)
+    for (int64_t r = 0; r < active; ++r) {
+      float block[elastic::quant::BLOCK];
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t first = b * elastic::quant::BLOCK, count = std::min<int64_t>(elastic::quant::BLOCK, cols - first);
+        elastic::quant::dequantize_block(fmt, w + (r * nb + b) * size, block);
+        std::copy(block, block + count, o + r * cols + first);
+      }
+    }
+    return out;
+  }
+  TORCH_CHECK(0 <= active && blocks_for(active) <= packed.size(0), "active rows out of range");
+  auto out = torch::empty({cols, active}, torch::kFloat);
+  float* o = out.data_ptr<float>();
+  const int64_t nb = blocks_for(active);
+#pragma omp parallel for num_threads(threads_for(cols, active * cols * 4)) schedule(static)
+  for (int64_t n = 0; n < cols; ++n) {
+    float block[elastic::quant::BLOCK];
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t first = b * elastic::quant::BLOCK, count = std::min<int64_t>(elastic::quant::BLOCK, active - first);
+      elastic::quant::dequantize_block(fmt, w + (b * cols + n) * size, block);
+      std::copy(block, block + count, o + n * active + first);
+    }
+  }
+  return out;
+}
+
+const char* const ISA_NAMES[] = {"scalar", "avx2", "vnni"};
+
+// The instruction sets this build and CPU can run, best last.
+std::vector<std::string> quant_isas() {
+  std::vector<std::string> names;
+  for (int64_t i = 0; i <= elastic::quant::best_isa(); ++i) names.emplace_back(ISA_NAMES[i]);
+  return names;
+}
+
+// Use `name` ("auto" for the best) for every quantised kernel from now on; returns the one in use.
+std::string set_quant_isa(const std::string& name) {
+  int64_t chosen = elastic::quant::best_isa();
+  if (name != "auto") {
+    const auto names = quant_isas();
+    const auto found = std::find(names.begin(), names.end(), name);
+    TORCH_CHECK(found != names.end(), "instruction set ", name, " is not available here (this build and CPU run: ",
+                c10::Join(", ", names), ")");
+    chosen = found - names.begin();
+  }
+  elastic::quant::active_isa() = chosen;
+  return ISA_NAMES[chosen];
+}
+
+// (storage, scales, bias, block format, unpacked columns) of one ElasticLinear, as the decoder keeps it.
+using ProjectionSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t>;
+
+elastic::Projection make_projection(const ProjectionSpec& spec, bool row_units) {
   elastic::Projection p;
   p.storage = std::get<0>(spec);
   TORCH_CHECK(p.storage.dim() == 2 && p.storage.is_contiguous() && p.storage.device().is_cpu(),
               "storage must be contiguous 2-D CPU");
   if (std::get<1>(spec).has_value()) p.scales = std::get<1>(spec)->to(torch::kFloat).contiguous();
   if (std::get<2>(spec).has_value()) p.bias = std::get<2>(spec)->to(torch::kFloat).contiguous();
+  p.fmt = std::get<3>(spec);
+  p.logical_cols = std::get<4>(spec);
+  if (p.quantized())
+    check_packed(p.storage, p.fmt, p.logical_cols, row_units);
+  else
+    TORCH_CHECK(p.logical_cols == p.storage.size(1), "unpacked storage has ", p.storage.size(1), " columns, not ", p.logical_cols);
   TORCH_CHECK(p.storage.scalar_type() != torch::kChar || p.scales.defined(), "int8 storage needs scales");
   return p;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("elastic_linear", &elastic_linear, "ElasticLinear over a unit-major prefix (fp32/fp16/int8)");
+  m.def("quant_linear", &quant_linear, "ElasticLinear over a block-quantised prefix, integer dot products");
+  m.def("dequantize", &dequantize, "a block-quantised prefix as fp32 [out, in]");
+  m.def("quant_isas", &quant_isas, "instruction sets the quantised kernels can use here, best last");
+  m.def("set_quant_isa", &set_quant_isa, "choose the quantised kernels' instruction set (\"auto\": the best)");
   pybind11::class_<elastic::Decoder>(m, "Decoder")
       .def(pybind11::init([](int64_t head_dim, int64_t n_rep, double eps, int64_t window, torch::Tensor inv_freq,
                              torch::Tensor embed, torch::Tensor final_norm, const ProjectionSpec& lm_head) {
-        return new elastic::Decoder(head_dim, n_rep, eps, window, inv_freq, embed, final_norm, make_projection(lm_head));
+        return new elastic::Decoder(head_dim, n_rep, eps, window, inv_freq, embed, final_norm, make_projection(lm_head, true));
       }))
       .def("add_layer", [](elastic::Decoder& d, torch::Tensor attn_norm, torch::Tensor mlp_norm,
                            const std::vector<ProjectionSpec>& projections) {
         std::vector<elastic::Projection> made;
-        for (const auto& spec : projections) made.push_back(make_projection(spec));
+        // decoder.h's slot order: q k v o gate up down; o and down are column units.
+        for (size_t i = 0; i < projections.size(); ++i) made.push_back(make_projection(projections[i], i != 3 && i != 6));
         d.add_layer(attn_norm, mlp_norm, made);
       })
       .def("set_widths", &elastic::Decoder::set_widths)

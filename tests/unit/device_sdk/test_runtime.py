@@ -81,6 +81,16 @@ def lora_package(request, tmp_path_factory):
     return package
 
 
+def assert_decode_close(steps, reference, weight_format, label=None):
+    """fp32/fp16: to float rounding. int8 (block-quantised, activations quantised per token too): a
+    quantised activation a last-bit away from a rounding boundary may round either way in the native
+    step and in the Python forward, moving later logits slightly (test_quant_kernels.py)."""
+    if weight_format in ("fp32", "fp16"):
+        assert (steps - reference).abs().max().item() <= 1e-4, label
+    else:
+        assert ((steps - reference).norm() / reference.norm()).item() <= 1e-2, label
+
+
 @needs_native
 @pytest.mark.parametrize("weight_format", ["fp32", "fp16", "int8"])
 def test_sdk_native_decode_matches_reference(lora_package, weight_format):
@@ -92,7 +102,7 @@ def test_sdk_native_decode_matches_reference(lora_package, weight_format):
     for level in model.available_levels():
         model.set_level(level)
         steps, reference = decode_both_ways(model, ids, prefill=6)
-        assert (steps - reference).abs().max().item() <= 1e-4, level
+        assert_decode_close(steps, reference, weight_format, level)
     # The LoRA really takes part: without it the reference moves.
     projections = [block.projection(name) for block in model.transformer.layers for name in kernels.PROJECTIONS]
     assert all(p.lora is not None for p in projections)
@@ -103,10 +113,10 @@ def test_sdk_native_decode_matches_reference(lora_package, weight_format):
     full_attn, full_mlp = model.manifest.elastic.attn_units, model.manifest.elastic.mlp_units
     model.set_widths([full_attn[0], 0, 1, full_attn[3]], [0, full_mlp[1], full_mlp[2] // 2, full_mlp[3]])
     steps, reference = decode_both_ways(model, ids, prefill=6)
-    assert (steps - reference).abs().max().item() <= 1e-4
+    assert_decode_close(steps, reference, weight_format)
     model.set_level("0.5")
     steps, reference = decode_both_ways(model, ids, prefill=6)
-    assert (steps - reference).abs().max().item() <= 1e-4
+    assert_decode_close(steps, reference, weight_format)
 
 
 @needs_native
