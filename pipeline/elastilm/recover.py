@@ -529,8 +529,9 @@ def train_torch(peft_model, hf, batches, settings: RecoverSettings, ctx: StageCo
     return losses
 
 
-def init_deepspeed_single_process() -> None:
-    """One-process gloo group on CPU; never JIT-compile the shm-comm op (minutes, unused here)."""
+def init_deepspeed_single_process(device: torch.device | None = None) -> None:
+    """One-process group, gloo on CPU and NCCL on CUDA (`device`: where the model is; default: CUDA when
+    torch sees it); never JIT-compile the shm-comm op (minutes, unused here)."""
     import deepspeed
     import deepspeed.ops
 
@@ -538,7 +539,8 @@ def init_deepspeed_single_process() -> None:
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    cuda = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
 
 
 def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: StageContext,
@@ -549,7 +551,7 @@ def train_deepspeed(peft_model, hf, batches, settings: RecoverSettings, ctx: Sta
     loss_fn = loss_fn or (lambda ids, labels: lm_loss(hf, ids, labels))
     device = _model_device(hf)
     if not torch.distributed.is_initialized():
-        init_deepspeed_single_process()
+        init_deepspeed_single_process(device)
     # DeepSpeed broadcasts every parameter as a flat byte view, which needs a unit last stride:
     # the transposed o/down views get a contiguous copy of this level's prefix for initialize().
     for module in hf.modules():
