@@ -6,7 +6,9 @@ The default build is the whole ElastiLM chain:
             → latency → tlm-score → label × shards → label-derive → tlm-decision → evaluate → publish
 
 Recovery distils each level from the full model on the recovery corpus, top-down: level m starts
-from the next larger level's LoRA (`warm_start`, a sibling shard's output; see `_recover_shards`).
+from a larger level's LoRA (`warm_start`, a sibling shard's output): the next larger one by default, or
+the top level's with `schedule: shared-top`, so that the other levels train at the same time (see
+`_recover_shards`).
 
 Any stage in `ELASTILM_STAGES` can be switched off in the spec (`stages.<name>.enabled: false`,
 with the stages that need it); the chain then falls back to its other inputs, down to
@@ -80,16 +82,22 @@ def _default_shards(spec) -> dict:
 
 
 def _recover_shards(spec, settings: RecoverSettings) -> list[Shard]:
-    """One LoRA per level below full width (the full model needs no recovery).
+    """One LoRA per level below full width (the full model needs no recovery), in the order of `schedule`.
 
-    With `warm_start` the levels recover top-down, largest first: each level's task reads the next
-    larger level's adapter (a sibling shard's output) and starts from its prefix slices; the largest
-    level below 1.0 starts cold. Without it the levels are independent and run side by side.
+    "chain": the levels recover top-down, largest first; each level's task reads the next larger level's
+    adapter (a sibling shard's output) and starts from its prefix slices: a line, as deep as there are levels.
+    "shared-top": the largest level below 1.0 starts cold and every other level starts from its adapter,
+    so after the first level all the others run at the same time (depth 2). "independent": no warm start;
+    every level starts cold and all run side by side (depth 1).
     """
     levels = sorted((level for level in map(Level, spec.levels) if level.ratio < 1.0),
-                    key=lambda level: level.ratio, reverse=settings.warm_start)
-    if not settings.warm_start:
-        return [Shard(level.name, {"level": level.name}) for level in levels]
+                    key=lambda level: level.ratio, reverse=True)
+    if settings.schedule == "independent":
+        return [Shard(level.name, {"level": level.name}) for level in reversed(levels)]
+    if settings.schedule == "shared-top":
+        return [Shard(level.name, {"level": level.name},
+                      {"init_adapter": (levels[0].name, "adapter")} if k else {})
+                for k, level in enumerate(levels)]
     return [Shard(level.name, {"level": level.name},
                   {"init_adapter": (levels[k - 1].name, "adapter")} if k else {})
             for k, level in enumerate(levels)]
@@ -116,9 +124,10 @@ def run_elastify(inputs: Inputs, settings: ElastifySettings, ctx: StageContext) 
 
 
 def run_recover(inputs: Inputs, settings: RecoverSettings, ctx: StageContext) -> Inputs:
-    from pipeline.elastilm import recover  # lazy: keeps chain importable without torch
+    from pipeline.elastilm import recover, recover_distributed  # lazy: keeps chain importable without torch
 
-    return recover.run(inputs, settings, ctx)
+    # workers > 1: the level trains on that many data-parallel Ray Train workers
+    return (recover_distributed.run if settings.workers > 1 else recover.run)(inputs, settings, ctx)
 
 
 def run_recover_install(inputs: Inputs, settings: StageSettings, ctx: StageContext) -> Inputs:

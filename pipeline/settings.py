@@ -46,6 +46,11 @@ Backend = Literal["torch", "deepspeed"]
 # "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), fp32
 # elsewhere (pipeline.models.precision)
 Precision = Literal["auto", "float32", "bfloat16"]
+# How recovery's levels depend on each other (pipeline.chain._recover_shards): "chain", each level
+# warm-starts from the next larger one (a line: 8 levels are 8 rounds); "shared-top", the largest level
+# below 1.0 trains cold and every other level warm-starts from its adapter (two rounds, the second all
+# at once); "independent", every level starts cold (one round).
+RecoverySchedule = Literal["chain", "shared-top", "independent"]
 Divergence = Literal["forward", "reverse", "jsd"]  # of recovery's distillation (pipeline.elastilm.recover.divergence)
 Strategy = Literal["uniform", "layer_drop", "anchor_weighted", "random"]
 CorpusKind = Literal["generated", "passages", "ptb"]  # the kinds of text in a recovery corpus (pipeline.data.recovery_text)
@@ -191,9 +196,15 @@ class RecoverSettings(StageSettings):
     loss: Literal["distill", "lm"] = "distill"
     temperature: PositiveFloat = 1.0  # of both distributions; the KL is scaled by temperature² (Hinton et al.)
     top_k: int = Field(default=0, ge=0)  # teacher log-probs kept per position (top k plus the rest as one bucket); 0 = all
-    # Start from the next larger level's LoRA (the `init_adapter` input), prefix-sliced; in the chain the
-    # levels then recover one after another, largest first (pipeline.chain._recover_shards).
+    # Start from a larger level's LoRA (the `init_adapter` input), prefix-sliced; which larger level is the
+    # schedule's choice. warm_start false is schedule "independent" (either may be given; they must agree).
     warm_start: bool = True
+    # "chain" stays the default: "shared-top" runs the levels below the top at the same time, but its
+    # quality against the chain has not been measured yet (bench/bench_recovery.py).
+    schedule: RecoverySchedule = "chain"
+    # Data-parallel workers for this level (Ray Train, DDP): 1 trains in the stage's own process; N splits
+    # every batch of `batch_size` rows into N equal shards, so the global batch and the result are the same.
+    workers: PositiveInt = 1
     # Share of training windows per kind of recovery-corpus text, when training on a recovery corpus.
     # By size the corpus is mostly packaged passages and PTB; drawn in proportion, the model's own
     # answers (the self-distillation data) would be well under 1% of what a level sees. A kind with
@@ -214,10 +225,30 @@ class RecoverSettings(StageSettings):
             raise ValueError(f"rollout_prefix ({experiments.rollout_prefix}) must be below seq_len ({seq_len})")
         return experiments
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_from_warm_start(cls, data):
+        # Either switch alone says it: warm_start false means "independent", and "independent" means no warm
+        # start, so a spec written before `schedule` existed keeps its meaning.
+        if isinstance(data, dict):
+            if data.get("warm_start") is False and "schedule" not in data:
+                data = {**data, "schedule": "independent"}
+            elif data.get("schedule") == "independent" and "warm_start" not in data:
+                data = {**data, "warm_start": False}
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> RecoverSettings:
         if not any(self.mix.values()):
             raise ValueError("mix: at least one kind of recovery text needs a share above 0")
+        if self.warm_start != (self.schedule != "independent"):
+            raise ValueError(f"warm_start {str(self.warm_start).lower()} contradicts schedule '{self.schedule}': "
+                             "schedule 'independent' is the one without warm start")
+        if self.workers > 1 and self.batch_size % self.workers:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of workers ({self.workers}): "
+                             "each worker takes an equal share of every batch")
+        if self.workers > 1 and self.backend != "torch":
+            raise ValueError("workers > 1 trains with torch DDP through Ray Train; backend 'deepspeed' is one process")
         return self
 
 
