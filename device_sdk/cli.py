@@ -206,24 +206,30 @@ def cmd_serve(args) -> int:
 def cmd_export(args) -> int:
     verify_local(args.package, args.public_key, allow_unsigned=args.allow_unsigned)
     which = {"level": args.level, "profile": args.profile}
-    if args.format == "peft":
-        from device_sdk.export import export_peft_adapters  # lazy: torch, kept off verify/trust/pull
-
-        written = export_peft_adapters(args.package, args.out)
-        print(f"ok: peft adapters of levels {', '.join(written) or 'none (the package has no recovery adapters)'} "
-              f"in {args.out}")
-        return 0
-    if (args.level is None) == (args.profile is None):
+    if args.format != "peft" and (args.level is None) == (args.profile is None):
         print("error: give --level or --profile", file=sys.stderr)
         return 2
-    if args.format == "gguf":
-        from device_sdk.export_gguf import export_gguf  # lazy: torch, kept off verify/trust/pull
+    try:
+        if args.format == "peft":
+            from device_sdk.export import export_peft_adapters  # lazy: torch, kept off verify/trust/pull
 
-        out = export_gguf(args.package, args.out, dtype=args.type or "f16", **which)
-    else:
-        from device_sdk.export import export_hf  # lazy: torch, kept off verify/trust/pull
+            written = export_peft_adapters(args.package, args.out, force=args.force)
+            print(f"ok: peft adapters of levels {', '.join(written) or 'none (the package has no recovery adapters)'} "
+                  f"in {args.out}")
+            return 0
+        if args.format == "gguf":
+            from device_sdk.export_gguf import export_gguf  # lazy: torch, kept off verify/trust/pull
 
-        out = export_hf(args.package, args.out, dtype=args.type or "f32", merge=not args.unmerged, **which)
+            out = export_gguf(args.package, args.out, dtype=args.type or "f16", force=args.force, **which)
+        else:
+            from device_sdk.export import export_hf  # lazy: torch, kept off verify/trust/pull
+
+            out = export_hf(args.package, args.out, dtype=args.type or "f32", merge=not args.unmerged,
+                            force=args.force, **which)
+    except OSError as err:  # a read-only or full disk, a path that cannot be made: nothing was left behind
+        print(f"error: cannot write the export at {args.out}: {err.strerror or err}"
+              f"{f' ({err.filename})' if err.filename else ''}", file=sys.stderr)
+        return 1
     print(f"ok: {args.format} export at {out}")
     return 0
 
@@ -276,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         ("serve", "OpenAI-compatible /v1/completions and /v1/chat/completions, with an slo field", cmd_serve),
     ):
         command = package_command(name, help, handler)
-        command.add_argument("--quantize", choices=("int8", "fp16"), help="weight format at load")
+        command.add_argument("--quantize", choices=("int8", "int4", "fp16"), help="weight format at load")
     commands = sub.choices
     commands["profile"].add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 128, 512, 1024])
     commands["profile"].add_argument("--decode-tokens", type=int, default=16)
@@ -319,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights: gguf f16 (default), q8_0 or f32; hf f32 (default), f16 or bf16")
     export.add_argument("--unmerged", action="store_true",
                         help="hf: leave the LoRA out of the weights and write it as a peft adapter in OUT/peft")
-    export.add_argument("--out", type=Path, required=True, help="the .gguf file or the directory to write")
+    export.add_argument("--out", type=Path, required=True,
+                        help="the .gguf file or the directory to write: new or empty (a directory that holds "
+                             "anything else is refused)")
+    export.add_argument("--force", action="store_true",
+                        help="replace an earlier export of the same format at --out (never anything else, "
+                             "never a package)")
 
     args = parser.parse_args(argv)
     try:

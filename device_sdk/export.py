@@ -11,6 +11,9 @@ output bias, which adds exactly nothing, because neither transformers nor llama.
 Llama block without heads or neurons.
 
 Formats: `export_hf` here (transformers' `from_pretrained`), `device_sdk.export_gguf` (llama.cpp).
+
+An export replaces nothing but an earlier export of its own format, and that only with `force`
+(`check_target`): directory exports carry `elastify_export.json`, GGUF files an `elastify.export` key.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from safetensors.torch import save_file
 
 from device_sdk.format import (
     CONFIG,
+    MANIFEST,
     WEIGHTS,
     Level,
     Manifest,
@@ -43,6 +47,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 HF_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 MODELING_FILE = "modeling_elastify.py"
 PEFT_DIR = "peft"  # where an unmerged HF export keeps the level's adapter
+EXPORT_MARK = "elastify_export.json"  # in every directory export: what wrote it, so that --force can tell
 
 
 class ExportError(PackageError):
@@ -155,6 +160,57 @@ def parameter_count(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
+# --------------------------------------------------------------------------- where an export may go
+
+
+def check_target(package_dir: Path, out: Path, fmt: str, *, force: bool = False, is_export=None) -> None:
+    """ExportError unless a `fmt` export may be written at `out`: a new path, an empty directory (or empty
+    file, for a file format), or, with `force`, an earlier export of the same format. Never the package,
+    a path inside it, or any other package. `is_export(path)` says whether an existing file is a `fmt`
+    export (file formats); directories are recognised by their EXPORT_MARK."""
+    package, target = Path(package_dir).resolve(), Path(out).resolve()
+    if target == package or package in target.parents:
+        raise ExportError(f"{out} is the package or inside it; write the export somewhere else")
+    if target in package.parents:
+        raise ExportError(f"{out} holds the package {package_dir}; write the export somewhere else")
+    if not target.exists():
+        return
+    if is_export is not None:  # a file format
+        if target.is_dir():
+            raise ExportError(f"{out} is a directory; give the path of the {fmt} file to write")
+        if target.stat().st_size == 0:
+            return
+        if not is_export(target):
+            raise ExportError(f"{out} exists and is not an Elastify {fmt} export; remove it yourself or choose "
+                              "another path")
+    else:
+        if not target.is_dir():
+            raise ExportError(f"{out} exists and is not a directory")
+        if not any(target.iterdir()):
+            return
+        if (target / MANIFEST).exists():
+            raise ExportError(f"{out} is a package; an export never replaces one")
+        if export_format(target) != fmt:
+            raise ExportError(f"{out} is not empty and is not an earlier {fmt} export; choose a new or empty "
+                              "directory")
+    if not force:
+        raise ExportError(f"{out} holds an earlier {fmt} export; pass --force to replace it")
+
+
+def export_format(directory: Path) -> str | None:
+    """The format of the export in `directory` by its EXPORT_MARK (None: not an export)."""
+    try:
+        mark = json.loads((Path(directory) / EXPORT_MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return mark.get("format") if isinstance(mark, dict) else None
+
+
+def write_mark(directory: Path, fmt: str, manifest: Manifest, selection: str | None = None) -> None:
+    mark = {"format": fmt, "package": manifest.name, "version": manifest.version, "selection": selection}
+    (Path(directory) / EXPORT_MARK).write_text(json.dumps(mark, indent=2) + "\n")
+
+
 # --------------------------------------------------------------------------- Hugging Face
 
 
@@ -243,13 +299,15 @@ FAMILY_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("Mis
 
 
 def export_hf(package_dir: Path, out_dir: Path, *, level: Level | float | str | None = None,
-              profile: str | None = None, dtype: str = "f32", merge: bool = True) -> Path:
+              profile: str | None = None, dtype: str = "f32", merge: bool = True, force: bool = False) -> Path:
     """Write a directory `AutoModelForCausalLM.from_pretrained` loads (per-layer widths need
     `trust_remote_code=True`). With `merge=False` the level's LoRA is left out of the weights and
-    written as a peft adapter under `out_dir/peft`."""
+    written as a peft adapter under `out_dir/peft`. `out_dir` must be new or empty, or with `force`
+    an earlier HF export (check_target); a failure leaves it as it was."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     if dtype not in HF_DTYPES:
         raise ExportError(f"HF export type must be one of {sorted(HF_DTYPES)}, not {dtype!r}")
+    check_target(package_dir, out_dir, "hf", force=force)
     manifest = read_manifest(package_dir)
     selection = select(package_dir, manifest, level, profile)
     tensors = level_tensors(package_dir, manifest, selection, merge=merge)
@@ -276,6 +334,7 @@ def export_hf(package_dir: Path, out_dir: Path, *, level: Level | float | str | 
                 shutil.copyfile(source, stage / filename)
         if not merge and selection.adapter is not None:
             write_peft_adapter(manifest, selection, stage / PEFT_DIR)
+        write_mark(stage, "hf", manifest, selection.label)
     return out_dir
 
 
@@ -323,14 +382,18 @@ def write_peft_adapter(manifest: Manifest, selection: Selection, out_dir: Path) 
     return out_dir
 
 
-def export_peft_adapters(package_dir: Path, out_dir: Path) -> dict[str, Path]:
+def export_peft_adapters(package_dir: Path, out_dir: Path, *, force: bool = False) -> dict[str, Path]:
     """Every level's recovery adapter as a peft adapter under `out_dir/<level>/`, each for that
-    level's unmerged HF export (`export_hf(..., merge=False)`)."""
+    level's unmerged HF export (`export_hf(..., merge=False)`). `out_dir` is written whole, as
+    export_hf's is (check_target); a package without adapters writes nothing."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
+    check_target(package_dir, out_dir, "peft", force=force)
     manifest = read_manifest(package_dir)
-    written = {}
-    for shape in manifest.elastic.levels:
-        if shape.adapter is not None:
-            selection = select(package_dir, manifest, level=shape.name)
-            written[shape.name] = write_peft_adapter(manifest, selection, out_dir / shape.name)
-    return written
+    levels = [shape.name for shape in manifest.elastic.levels if shape.adapter is not None]
+    if not levels:
+        return {}
+    with staged_directory(out_dir) as stage:
+        for name in levels:
+            write_peft_adapter(manifest, select(package_dir, manifest, level=name), stage / name)
+        write_mark(stage, "peft", manifest)
+    return {name: out_dir / name for name in levels}

@@ -11,18 +11,20 @@ converter does. The writer is llama.cpp's `gguf` package, an optional dependency
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from device_sdk.export import ExportError, level_tensors, select
+from device_sdk.export import ExportError, check_target, level_tensors, select
 from device_sdk.format import CONFIG, Level, read_manifest
 from device_sdk.llama import rope_inv_freq
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 QK8_0 = 32  # Q8_0 quantizes rows in blocks of 32; a row of another length stays F16
+EXPORT_KEY = "elastify.export"  # marks the files this module writes, so that --force can tell them apart
 
 # HF tensor name (after `model.layers.<i>.`) -> llama.cpp's.
 LAYER_NAMES = {
@@ -58,12 +60,15 @@ def _gguf():
 
 
 def export_gguf(package_dir: Path, out_path: Path, *, level: Level | float | str | None = None,
-                profile: str | None = None, dtype: str = "f16") -> Path:
-    """Write the level's (or profile's) dense weights, LoRA merged in, and the tokenizer as GGUF."""
+                profile: str | None = None, dtype: str = "f16", force: bool = False) -> Path:
+    """Write the level's (or profile's) dense weights, LoRA merged in, and the tokenizer as GGUF.
+    `out_path` must be new, or with `force` an earlier GGUF export (check_target). It is written as a
+    hidden .partial file renamed into place, which a failure removes."""
     gguf = _gguf()
     if dtype not in GGUF_TYPES:
         raise ExportError(f"GGUF type must be one of {GGUF_TYPES}, not {dtype!r}")
     package_dir, out_path = Path(package_dir), Path(out_path)
+    check_target(package_dir, out_path, "gguf", force=force, is_export=lambda path: is_gguf_export(gguf, path))
     manifest = read_manifest(package_dir)
     selection = select(package_dir, manifest, level, profile)
     arch = manifest.architecture
@@ -77,43 +82,61 @@ def export_gguf(package_dir: Path, out_path: Path, *, level: Level | float | str
 
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(f".{out_path.name}.partial")
-    writer = gguf.GGUFWriter(str(partial), arch_name)
-    writer.add_name(f"{manifest.name} {manifest.version} {selection.label}")
-    writer.add_context_length(arch.max_position)
-    writer.add_embedding_length(arch.hidden)
-    writer.add_block_count(arch.layers)
-    writer.add_head_count(heads[0] if uniform else heads)
-    writer.add_head_count_kv(kv_heads[0] if uniform else kv_heads)
-    writer.add_feed_forward_length(ffn[0] if uniform else ffn)
-    writer.add_key_length(arch.head_dim)
-    writer.add_value_length(arch.head_dim)
-    writer.add_rope_dimension_count(arch.head_dim)
-    writer.add_rope_freq_base(float(arch.rope.get("rope_theta", 10000.0)))
-    writer.add_layer_norm_rms_eps(arch.norm_eps)
-    writer.add_vocab_size(arch.vocab)
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    rope_kind = arch.rope.get("rope_type", arch.rope.get("type", "default"))
-    if rope_kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(arch.rope["factor"]))
-    elif rope_kind == "llama3":  # llama.cpp divides each frequency by its factor from this tensor
-        base = 1.0 / (float(arch.rope.get("rope_theta", 10000.0))
-                      ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
-        tensors["rope_freqs.weight"] = base / rope_inv_freq(arch)
-    _add_tokenizer(gguf, writer, package_dir, config, arch.vocab)
+    writer = None
+    try:
+        writer = gguf.GGUFWriter(str(partial), arch_name)
+        writer.add_name(f"{manifest.name} {manifest.version} {selection.label}")
+        writer.add_string(EXPORT_KEY, json.dumps({"package": manifest.name, "version": manifest.version,
+                                                  "selection": selection.label}))
+        writer.add_context_length(arch.max_position)
+        writer.add_embedding_length(arch.hidden)
+        writer.add_block_count(arch.layers)
+        writer.add_head_count(heads[0] if uniform else heads)
+        writer.add_head_count_kv(kv_heads[0] if uniform else kv_heads)
+        writer.add_feed_forward_length(ffn[0] if uniform else ffn)
+        writer.add_key_length(arch.head_dim)
+        writer.add_value_length(arch.head_dim)
+        writer.add_rope_dimension_count(arch.head_dim)
+        writer.add_rope_freq_base(float(arch.rope.get("rope_theta", 10000.0)))
+        writer.add_layer_norm_rms_eps(arch.norm_eps)
+        writer.add_vocab_size(arch.vocab)
+        file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
+        writer.add_file_type(file_type)
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        rope_kind = arch.rope.get("rope_type", arch.rope.get("type", "default"))
+        if rope_kind == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(arch.rope["factor"]))
+        elif rope_kind == "llama3":  # llama.cpp divides each frequency by its factor from this tensor
+            base = 1.0 / (float(arch.rope.get("rope_theta", 10000.0))
+                          ** (torch.arange(0, arch.head_dim, 2, dtype=torch.int64).float() / arch.head_dim))
+            tensors["rope_freqs.weight"] = base / rope_inv_freq(arch)
+        _add_tokenizer(gguf, writer, package_dir, config, arch.vocab)
 
-    for name, tensor in tensors.items():
-        gguf_name, array = _gguf_tensor(name, tensor, heads, kv_heads, arch.head_dim)
-        _add_tensor(gguf, writer, gguf_name, array, dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        for name, tensor in tensors.items():
+            gguf_name, array = _gguf_tensor(name, tensor, heads, kv_heads, arch.head_dim)
+            _add_tensor(gguf, writer, gguf_name, array, dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    except BaseException:
+        if writer is not None:
+            with contextlib.suppress(Exception):  # the error being raised is the one to report
+                writer.close()
+        partial.unlink(missing_ok=True)
+        raise
     partial.replace(out_path)
     return out_path
+
+
+def is_gguf_export(gguf, path: Path) -> bool:
+    """Whether `path` is a GGUF file this module wrote (its EXPORT_KEY); anything unreadable is not."""
+    try:
+        return EXPORT_KEY in gguf.GGUFReader(str(path)).fields
+    except Exception:  # GGUFReader raises ValueError, IndexError, KeyError or OSError on foreign bytes
+        return False
 
 
 def _gguf_tensor(name: str, tensor: torch.Tensor, heads: list[int], kv_heads: list[int], head_dim: int):
