@@ -301,11 +301,13 @@ torch::Tensor dequantize(torch::Tensor packed, int64_t fmt, int64_t active, int6
   auto out = torch::empty({cols, active}, torch::kFloat);
   float* o = out.data_ptr<float>();
   const int64_t nb = blocks_for(active);
-#pragma omp parallel for num_threads(threads_for(cols, active * cols * 4)) schedule(static)
-  for (int64_t n = 0; n < cols; ++n) {
+  // Block-rows in storage order (reading each output's block in turn down the block-row was
+  // strided and ~3x slower); each block lands as a contiguous run of output n's row.
+#pragma omp parallel for num_threads(threads_for(nb, active * cols * 4)) schedule(static)
+  for (int64_t b = 0; b < nb; ++b) {
     float block[elastic::quant::BLOCK];
-    for (int64_t b = 0; b < nb; ++b) {
-      const int64_t first = b * elastic::quant::BLOCK, count = std::min<int64_t>(elastic::quant::BLOCK, active - first);
+    const int64_t first = b * elastic::quant::BLOCK, count = std::min<int64_t>(elastic::quant::BLOCK, active - first);
+    for (int64_t n = 0; n < cols; ++n) {
       elastic::quant::dequantize_block(fmt, w + (b * cols + n) * size, block);
       std::copy(block, block + count, o + n * active + first);
     }
