@@ -140,7 +140,16 @@ def test_sdk_native_decode_matches_reference_smollm2(weight_format, smollm2_pack
             b = torch.randn(linear.out_features, 4, generator=generator) * 0.05
             model.transformer.layers[3].projection(name).lora = (a, b, 2.0)
         steps, reference = decode_both_ways(model, ids, prefill=16)
-        assert (steps - reference).abs().max().item() <= 5e-4, level
+        # int8 decode quantises each token's activations to 8 bits (as llama.cpp's Q8_0 does) while the
+        # reference's many-row path multiplies fp32 activations: they agree to quantisation scale
+        # (mean 0.1–0.2 on logits of about ±15, at most 0.9 at level 0.25), fp32 to rounding.
+        gap = (steps - reference).abs()
+        if weight_format == "fp32":
+            assert gap.max().item() <= 5e-4, level
+        else:
+            assert gap.mean().item() <= 0.02 * reference.abs().mean().item(), level
+            assert gap.max().item() <= 0.06 * reference.abs().max().item(), level
+        assert (steps.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9, level
 
 
 INT8_PPL_TOLERANCE = 0.02  # relative perplexity change on PTB, the bound (measured ≤ 1.4%)
