@@ -2,9 +2,9 @@
 
     .venv/bin/python -m bench.bench_device [--package DIR] [--threads 1 2] [--rounds 3] [--llama-python PY]
 
-Contenders: the SDK (fp32, fp16, int8 through `ElasticModel.generate`), HF transformers
+Contenders: the SDK (fp32, fp16, int8, int4 through `ElasticModel.generate`), HF transformers
 `generate` (fp32) and llama.cpp (llama-cpp-python's `Llama.generate`, from its own venv,
-default `.venv-llama`) on the packaged Q4_1 GGUF and on Q8_0 and F16 re-quantisations of it.
+default `.venv-llama`) on the packaged Q4_1 GGUF and on Q8_0, F16, Q4_0 and Q4_K_M re-quantisations of it.
 
 Fairness: every decode measurement is its own subprocess, started with a clean environment
 (PATH, HOME and locale only; HF_HUB_OFFLINE=1 for transformers, which it needs to load
@@ -41,13 +41,14 @@ PROMPT = "The history of the city begins in the early middle ages, when"
 NEW_TOKENS = 48
 TIMED_RUNS = 2
 LEVELS = "0.25,0.5,0.75,1.0"
-SDK_FORMATS = ("fp32", "fp16", "int8")
+SDK_FORMATS = ("fp32", "fp16", "int8", "int4")
 # (label, llama.cpp file type to re-quantise the packaged Q4_1 to, or None for the file as is)
-LLAMA_CPP_TYPES = (("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0"), ("F16", "LLAMA_FTYPE_MOSTLY_F16"), ("Q4_1", None))
+LLAMA_CPP_TYPES = (("Q8_0", "LLAMA_FTYPE_MOSTLY_Q8_0"), ("F16", "LLAMA_FTYPE_MOSTLY_F16"), ("Q4_1", None),
+                   ("Q4_0", "LLAMA_FTYPE_MOSTLY_Q4_0"), ("Q4_K_M", "LLAMA_FTYPE_MOSTLY_Q4_K_M"))
 # The headline pairs: (SDK contender, rival) compared at equal thread counts.
-PAIRS = (("SDK int8", "llama.cpp Q8_0"), ("SDK fp16", "llama.cpp F16"), ("SDK fp32", "HF fp32"),
-         ("SDK int8", "llama.cpp Q4_1"))
-GOALS = {("SDK int8", "llama.cpp Q8_0"): 1.3, ("SDK fp32", "HF fp32"): 3.0}
+PAIRS = (("SDK int8", "llama.cpp Q8_0"), ("SDK int4", "llama.cpp Q4_0"), ("SDK int4", "llama.cpp Q4_K_M"),
+         ("SDK fp16", "llama.cpp F16"), ("SDK fp32", "HF fp32"), ("SDK int8", "llama.cpp Q4_1"))
+GOALS = {("SDK int8", "llama.cpp Q8_0"): 1.3, ("SDK int4", "llama.cpp Q4_0"): 1.2, ("SDK fp32", "HF fp32"): 3.0}
 ENV_KEPT = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")  # what a process needs to start, nothing that tunes it
 
 
@@ -173,7 +174,7 @@ def levels_worker(spec: dict) -> dict:
 
     torch.set_num_threads(spec["threads"])
     key = load_public_key(spec["public_key"])
-    models = {fmt: ElasticModel.load(Path(spec["package"]), public_key=key, quantize=fmt) for fmt in ("fp32", "int8")}
+    models = {fmt: ElasticModel.load(Path(spec["package"]), public_key=key, quantize=fmt) for fmt in ("fp32", "int8", "int4")}
     return {"tpot_ratios": {fmt: tpot_ratios(model, measure_level) for fmt, model in models.items()},
             "switch": switch_cost(models["int8"], measure_level)}
 
