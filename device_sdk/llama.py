@@ -22,6 +22,12 @@ from device_sdk.lora import PROJECTIONS, LoRA, lora_delta
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
 
+# Attention scores are [B, groups, n_rep·T, S] fp32. Computed at once for a long prompt they grow with
+# T²: 2.4 GB per layer for 8k tokens of SmolLM2-135M (9 heads), and the softmax doubles it. Attention
+# takes its queries a chunk at a time so that one chunk's scores hold at most this many elements
+# (64 MiB); a prompt whose scores fit runs in one chunk, exactly as before.
+SCORE_ELEMENTS = 1 << 24
+
 
 class RMSNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, eps: float):
@@ -168,13 +174,53 @@ class Attention(nn.Module):
         k, v = cache.update(layer, k, v)
         # GQA without repeating K/V: a group's query heads are adjacent, so fold them into the
         # query axis. (Plain matmuls: torch's fused CPU attention is far slower for one token.)
-        groups, n_rep = k.shape[1], q.shape[1] // k.shape[1]
-        q = q.reshape(B, groups, n_rep * T, self.head_dim)
-        scores = (q @ k.transpose(-1, -2)) * self.head_dim**-0.5  # [B, groups, n_rep·T, S]
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        y = (scores.softmax(dim=-1) @ v).reshape(B, groups * n_rep, T, self.head_dim)
+        groups, n_rep, S = k.shape[1], q.shape[1] // k.shape[1], k.shape[2]
+        step = max(1, SCORE_ELEMENTS // (B * groups * n_rep * S))
+        keys_t, scale = k.transpose(-1, -2), self.head_dim**-0.5
+        chunks = []
+        for start in range(0, T, step):
+            end = min(T, start + step)
+            q_chunk = q[:, :, start:end].reshape(B, groups, n_rep * (end - start), self.head_dim)
+            scores = (q_chunk @ keys_t) * scale  # [B, groups, n_rep·C, S]
+            allowed = mask.rows(start, end) if mask is not None else None
+            if allowed is not None:
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            chunks.append((scores.softmax(dim=-1) @ v).reshape(B, groups * n_rep, end - start, self.head_dim))
+        y = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class AttentionMask:
+    """Which cached keys each new query may attend to: causal, within Mistral's sliding window, and
+    within a batch row's `key_mask` [B, S]. Built for one chunk of queries at a time (`rows`), as bool,
+    so a long prompt never holds a T×S mask, let alone an int64 one."""
+
+    def __init__(self, slots: torch.Tensor, total: int, window: int | None, n_rep: int,
+                 key_mask: torch.Tensor | None = None):
+        self.slots, self.total, self.window, self.n_rep = slots, total, window, n_rep
+        self.key_mask = None if key_mask is None else key_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
+        # one new token sees everything cached (unless a window hides the oldest)
+        self.causal = not (len(slots) == 1 and (window is None or total <= window))
+        self._whole = None  # the mask of every query, kept when one chunk holds them all (every layer reuses it)
+
+    def rows(self, start: int, end: int) -> torch.Tensor | None:
+        """The mask of queries start:end of this call: [n_rep·C, S] (or [B, 1, n_rep·C, S] with a key
+        mask), rows in the folded (query head, position) order; None when every key is allowed."""
+        whole = start == 0 and end == len(self.slots)
+        if whole and self._whole is not None:
+            return self._whole
+        mask = None
+        if self.causal:
+            queries, keys = self.slots[start:end, None], torch.arange(self.total)
+            mask = keys <= queries
+            if self.window is not None:
+                mask &= keys > queries - self.window
+            mask = mask.repeat(self.n_rep, 1)
+        if self.key_mask is not None:
+            mask = self.key_mask if mask is None else mask & self.key_mask
+        if whole:
+            self._whole = mask
+        return mask
 
 
 class MLP(nn.Module):
@@ -265,26 +311,11 @@ class Transformer(nn.Module):
             raise ValueError("per-row positions beyond the sliding window are not supported")
         cos, sin = rope_tables(self.inv_freq, slots if positions is None else positions)
         x = self.embed_tokens[ids].float()
-        mask = self.attention_mask(slots, start + T)
-        if key_mask is not None:
-            allowed = key_mask.bool()[:, None, None, :]  # [B, 1, 1, S] over [B, groups, n_rep·T, S]
-            mask = allowed if mask is None else mask & allowed
+        mask = AttentionMask(slots, start + T, self.arch.sliding_window, self.arch.n_rep, key_mask)
         for block in self.layers:
             x = block(x, cos, sin, mask, cache)
         cache.length = start + T
         return x
-
-    def attention_mask(self, positions: torch.Tensor, total: int) -> torch.Tensor | None:
-        """Causal (and sliding-window, for Mistral) mask of the new queries over all keys, [n_rep·T, S]."""
-        window = self.arch.sliding_window
-        if len(positions) == 1 and (window is None or total <= window):
-            return None  # one new token sees everything cached
-        keys = torch.arange(total)
-        distance = positions[:, None] - keys[None, :]
-        allowed = distance >= 0
-        if window is not None:
-            allowed &= distance < window
-        return allowed.repeat(self.arch.n_rep, 1)  # rows follow the folded (query head, position) axis
 
 
 def projection(weights: Mapping[str, torch.Tensor], base: str, rows_per_unit: int, make: LinearFactory) -> Projection:
