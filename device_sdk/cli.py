@@ -9,7 +9,7 @@ import urllib.error
 from pathlib import Path
 
 from device_sdk.client import ElastifyAPIError, reason
-from device_sdk.format import PackageError, check_files, load_public_key, read_manifest
+from device_sdk.format import PackageError, load_public_key, read_manifest
 from device_sdk.registry import pull, read_local_state, verify_local
 from device_sdk.trust import TrustStore, check_signature
 
@@ -62,9 +62,11 @@ def _slo(args):
 def cmd_verify(args) -> int:
     manifest = read_manifest(args.package)
     key = check_signature(manifest, args.public_key, allow_unsigned=args.allow_unsigned)
-    check_files(args.package, manifest)
+    verify_local(args.package, args.public_key, allow_unsigned=args.allow_unsigned)  # a partial pull: what it holds
+    state = read_local_state(args.package) or {}
+    held = "" if state.get("max_level") is None else f" (a partial copy: levels <= {state['max_level']})"
     signature = "signature verified" if key is not None else "signature NOT checked (--allow-unsigned)"
-    print(f"ok: {manifest.name} {manifest.version}, {len(manifest.files)} files verified, {signature}")
+    print(f"ok: {manifest.name} {manifest.version}{held}, files verified, {signature}")
     return 0
 
 
