@@ -2,12 +2,21 @@
 
 The format itself (manifest schema, hashing, byte ranges, signing) is `device_sdk.format`,
 which needs no torch; this module adds what does.
+
+Weights given as a dict of tensors are written by safetensors' `save_file`, which needs them all in
+memory. Weights given as `StreamedWeights` are written one tensor at a time in safetensors' own
+documented layout (8-byte little-endian header length, JSON header, data), with the same bytes
+`save_file` writes for the same tensors, so a model larger than memory can be packaged.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
-from collections.abc import Mapping
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +54,60 @@ def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: 
 
 
 _SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8}
+_SAFETENSORS_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StreamedWeights:
+    """A package's tensors, made one at a time: each one's shape is known up front (the file's header,
+    offsets included, is written first), then `make(name)` is called once per tensor, in the file's order,
+    and its bytes written before the next is made. `progress(done, total)` follows the tensors."""
+
+    dtype: torch.dtype
+    shapes: Mapping[str, Sequence[int]]
+    make: Callable[[str], torch.Tensor]
+    progress: Callable[[int, int], None] | None = None
+
+
+def write_safetensors_streamed(path: Path, weights: StreamedWeights, metadata: Mapping[str, str]) -> None:
+    """Write `weights` to `path` as safetensors, holding one tensor at a time.
+
+    The layout is `save_file`'s for tensors of one dtype: tensors in name order, the header compact JSON
+    with `__metadata__` first, padded with spaces to a multiple of 8 bytes.
+    """
+    if sys.byteorder != "little":  # safetensors is little-endian; tensor bytes are written as they are in memory
+        raise PackageError("streamed safetensors writing needs a little-endian machine")
+    if weights.dtype not in _SAFETENSORS_NAMES:
+        raise PackageError(f"unsupported weight dtype {weights.dtype}")
+    element_size = torch.empty((), dtype=weights.dtype).element_size()
+    names = sorted(weights.shapes)
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in names:
+        shape = [int(d) for d in weights.shapes[name]]
+        size = element_size * _numel(shape)
+        header[name] = {"dtype": _SAFETENSORS_NAMES[weights.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(encoded)) + encoded)
+        for done, name in enumerate(names, 1):
+            tensor = weights.make(name)
+            if tensor.dtype != weights.dtype or list(tensor.shape) != header[name]["shape"]:
+                raise PackageError(f"tensor {name} is {tensor.dtype} {list(tensor.shape)}, "
+                                   f"its header says {weights.dtype} {header[name]['shape']}")
+            handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
+            if weights.progress is not None:
+                weights.progress(done, len(names))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
 
 
 def write_package(
@@ -53,7 +116,7 @@ def write_package(
     manifest_fields: Mapping[str, Any],
     architecture: Architecture,
     elastic: Elastic,
-    weights: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | StreamedWeights,
     model_files: Mapping[str, Path | bytes] = {},
     extra_files: Mapping[str, Path | bytes] = {},
     overwrite: bool = False,
@@ -61,18 +124,23 @@ def write_package(
     """Write a complete package to a temp dir beside `out_dir`, then rename it into place.
 
     `model_files` land under model/ (config.json, tokenizer files); `extra_files` keep their
-    relative path (adapters/…, tlm/…). A reader never sees a half-written package.
+    relative path (adapters/…, tlm/…). A reader never sees a half-written package. `weights` as
+    `StreamedWeights` are written one tensor at a time.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not overwrite:
         raise PackageError(f"{out_dir} already exists")
     with staged_directory(out_dir) as stage:
         (stage / "model").mkdir()
-        contiguous = {name: tensor.contiguous() for name, tensor in weights.items()}
-        element_sizes = {t.element_size() for t in contiguous.values()}
-        if len(element_sizes) != 1:
-            raise PackageError("all package weights must share one dtype")
-        save_file(contiguous, str(stage / WEIGHTS), metadata={"format": "pt"})
+        if isinstance(weights, StreamedWeights):
+            write_safetensors_streamed(stage / WEIGHTS, weights, metadata={"format": "pt"})
+            element_sizes = {torch.empty((), dtype=weights.dtype).element_size()}
+        else:
+            contiguous = {name: tensor.contiguous() for name, tensor in weights.items()}
+            element_sizes = {t.element_size() for t in contiguous.values()}
+            if len(element_sizes) != 1:
+                raise PackageError("all package weights must share one dtype")
+            save_file(contiguous, str(stage / WEIGHTS), metadata={"format": "pt"})
         for relative, content in {**{f"model/{k}": v for k, v in model_files.items()}, **extra_files}.items():
             _place(stage, relative, content)
         byte_ranges = byte_ranges_for(stage / WEIGHTS, elastic, element_sizes.pop())

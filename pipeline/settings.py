@@ -41,6 +41,8 @@ AttnMethod = Literal["taylor", "loo"]
 MlpMethod = Literal["taylor", "activation"]
 Order = Literal["taylor", "random"]  # "random" is the ablation baseline
 DType = Literal["float32", "float16", "bfloat16"]
+# The package's weights: "auto" keeps a bf16/fp16 source's dtype and stores anything else (fp32, GGUF) in fp32.
+PackageDType = Literal["auto", "float32", "float16", "bfloat16"]
 Projection = Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 Backend = Literal["torch", "deepspeed"]
 # "auto": bf16 autocast on CUDA and on CPUs that multiply bf16 natively (AVX512-BF16, AMX), fp32
@@ -119,7 +121,7 @@ class ElastifySettings(StageSettings):
     attn_rounding: Literal["up", "nearest", "whole"] = "up"
     order: Order = "taylor"
     seed: int = 0
-    dtype: DType = "float32"
+    dtype: PackageDType = "auto"
     name: str = Field(default="model", min_length=1, description="the package's name (default: publish.name)")
     version: str = Field(default="0.0.0", min_length=1, description="the package's version (default: publish.version)")
 

@@ -12,6 +12,9 @@ Layer importance is the loss increase when a layer is skipped (leave-one-out), o
 block influence `1 − cos(h_in, h_out)` as the cheap option. KV groups can be ranked the same
 leave-one-out way (`attn_method="loo"`): with only a few groups per layer, the first-order
 estimate often keeps the wrong one.
+
+The model runs where the stage was placed (`ctx.device`), in its stored dtype and the precision
+`pipeline.models.precision.model_precision` picks for it there; scores accumulate in fp64.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from device_sdk.format import Architecture, atomic_write_bytes
 from pipeline.data.calibration import make_windows
 from pipeline.models.loading import load_model
+from pipeline.models.precision import model_precision
 from pipeline.models.scoring import nll_from_hidden, nll_sum
 from pipeline.settings import ProfileSettings
 from pipeline.stage import StageContext
@@ -95,8 +99,9 @@ def _unit_reducers(layer, arch: Architecture) -> dict[torch.nn.Parameter, tuple[
 def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: str = "param_first"):
     """Per-layer Taylor scores for KV groups and neurons from one backward over all windows."""
     layers = list(model.model.layers)
-    attn_scores = [torch.zeros(arch.kv_heads, dtype=torch.float64) for _ in layers]
-    mlp_scores = [torch.zeros(arch.intermediate, dtype=torch.float64) for _ in layers]
+    device = windows.device
+    attn_scores = [torch.zeros(arch.kv_heads, dtype=torch.float64, device=device) for _ in layers]
+    mlp_scores = [torch.zeros(arch.intermediate, dtype=torch.float64, device=device) for _ in layers]
     handles, tracked = [], []
     requires = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
@@ -107,7 +112,8 @@ def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: st
             target = attn_scores[index] if kind == "attn" else mlp_scores[index]
 
             def fold(p, target=target, reduce=reduce):
-                salience = p.detach() * p.grad
+                # in fp32 whatever the weights are stored in: a bf16 product would be summed in bf16
+                salience = p.detach().float() * p.grad.float()
                 salience = salience.abs() if taylor == "param_first" else salience
                 target += reduce(salience).double()
                 p.grad = None  # free at once: at most one weight's gradient is alive
@@ -133,7 +139,7 @@ def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: st
     if taylor == "vectorize":
         attn_scores = [s.abs() for s in attn_scores]
         mlp_scores = [s.abs() for s in mlp_scores]
-    return [s.float() for s in attn_scores], [s.float() for s in mlp_scores], loss.item() / count
+    return [s.float().cpu() for s in attn_scores], [s.float().cpu() for s in mlp_scores], loss.item() / count
 
 
 @torch.no_grad()
@@ -141,7 +147,8 @@ def neuron_activation_importance(model, windows: torch.Tensor, batch_size: int) 
     """Per layer, each neuron's SwiGLU output (down_proj's input) as Minitron scores it: the L2 norm over
     a window's tokens, averaged over windows; and the mean NLL of the windows."""
     layers = list(model.model.layers)
-    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64) for layer in layers]
+    scores = [torch.zeros(layer.mlp.down_proj.in_features, dtype=torch.float64, device=windows.device)
+              for layer in layers]
 
     def accumulate(total: torch.Tensor):
         def hook(module, args) -> None:  # a pre-hook's return value would replace down_proj's input
@@ -150,7 +157,7 @@ def neuron_activation_importance(model, windows: torch.Tensor, batch_size: int) 
 
     handles = [layer.mlp.down_proj.register_forward_pre_hook(accumulate(total))
                for layer, total in zip(layers, scores, strict=True)]
-    loss, count = torch.zeros((), dtype=torch.float64), 0
+    loss, count = torch.zeros((), dtype=torch.float64, device=windows.device), 0
     try:
         for start in range(0, windows.shape[0], batch_size):
             batch_loss, batch_count = nll_sum(model, windows[start : start + batch_size])
@@ -158,7 +165,7 @@ def neuron_activation_importance(model, windows: torch.Tensor, batch_size: int) 
     finally:
         for handle in handles:
             handle.remove()
-    return [(total / windows.shape[0]).float() for total in scores], (loss / count).item()
+    return [(total / windows.shape[0]).float().cpu() for total in scores], (loss / count).item()
 
 
 # --------------------------------------------------------------------------- layer importance
@@ -172,7 +179,7 @@ def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: Sta
     layers after it from that recorded input, which halves the cost of the naive loop.
     """
     layers = list(model.model.layers)
-    increase = torch.zeros(len(layers), dtype=torch.float64)
+    increase = torch.zeros(len(layers), dtype=torch.float64, device=windows.device)
     batches = range(0, windows.shape[0], batch_size)
     tokens = 0
     for batch_index, start in enumerate(batches):
@@ -186,7 +193,7 @@ def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: Sta
             ctx.report("layer importance (leave one out)", batch_index * len(layers) + skipped + 1,
                        len(batches) * len(layers))
         tokens += count
-    return (increase / tokens).float()
+    return (increase / tokens).float().cpu()
 
 
 @torch.no_grad()
@@ -200,7 +207,7 @@ def group_importance_loo(model, arch: Architecture, windows: torch.Tensor, batch
     """
     layers = list(model.model.layers)
     group_cols = arch.n_rep * arch.head_dim
-    increase = [torch.zeros(arch.kv_heads, dtype=torch.float64) for _ in layers]
+    increase = [torch.zeros(arch.kv_heads, dtype=torch.float64, device=windows.device) for _ in layers]
     batches = range(0, windows.shape[0], batch_size)
     done, total, tokens = 0, len(batches) * len(layers) * arch.kv_heads, 0
     for start in batches:
@@ -226,7 +233,7 @@ def group_importance_loo(model, arch: Architecture, windows: torch.Tensor, batch
                 done += 1
                 ctx.report("attention importance (leave one group out)", done, total)
         tokens += count
-    return [(scores / tokens).float() for scores in increase]
+    return [(scores / tokens).float().cpu() for scores in increase]
 
 
 def _loss_after(model, inputs: list[tuple[torch.Tensor, dict]], layer: int, hidden: torch.Tensor,
@@ -270,7 +277,7 @@ def _hidden(output) -> torch.Tensor:
 @torch.no_grad()
 def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: int) -> torch.Tensor:
     layers = list(model.model.layers)
-    totals = torch.zeros(len(layers), dtype=torch.float64)
+    totals = torch.zeros(len(layers), dtype=torch.float64, device=windows.device)
     captured: dict[int, torch.Tensor] = {}
     handles = []
     for index, layer in enumerate(layers):
@@ -292,14 +299,22 @@ def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: i
     finally:
         for handle in handles:
             handle.remove()
-    return (totals / tokens).float()
+    return (totals / tokens).float().cpu()
 
 
 # --------------------------------------------------------------------------- the stage
 
 
 def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx: StageContext) -> Importance:
+    """Unit and layer importance of `model`, run on the device it is on, in `model_precision`'s dtype."""
+    device = next(model.parameters()).device
     windows = make_windows(tokenizer, settings.calibration, settings.windows, settings.window_length, settings.seed)
+    with model_precision(model, device):
+        return _profile(model, arch, windows.to(device), settings, ctx)
+
+
+def _profile(model, arch: Architecture, windows: torch.Tensor, settings: ProfileSettings,
+             ctx: StageContext) -> Importance:
     attn = mlp = None
     if settings.attn_method == "taylor" or settings.mlp_method == "taylor":
         ctx.report("unit importance (taylor)", 0, 1)
@@ -321,8 +336,10 @@ def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx
 
 
 def run(inputs: dict[str, Path], settings: ProfileSettings, ctx: StageContext) -> dict[str, Path]:
-    """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}."""
+    """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}. The model loads in its
+    source's dtype (bf16/fp16, else fp32) and runs on `ctx.device`."""
     loaded = load_model(inputs["model"])
+    loaded.model.to(torch.device(ctx.device))
     result = profile(loaded.model, loaded.tokenizer, loaded.architecture, settings, ctx)
     out = ctx.work_dir / IMPORTANCE_FILE
     result.save(out)

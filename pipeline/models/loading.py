@@ -2,6 +2,10 @@
 
 Only Llama, Mistral and Qwen2 (MHA or GQA, tied or untied embeddings, Qwen2's q/k/v biases)
 are accepted; anything else is refused before any weight is read.
+
+Models load in the source's own dtype when it is bf16 or fp16 (`dtype="auto"`, the default: a 7B
+model is 14 GB in bf16, 27 GB in fp32), else in fp32. `open_weights` reads an HF directory's
+safetensors one tensor at a time, for stages that never need the whole model in memory (elastify).
 """
 
 from __future__ import annotations
@@ -9,13 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from device_sdk.format import Architecture
+from device_sdk.format import Architecture, safetensors_layout
 from pipeline.errors import PipelineError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,6 +37,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 # Any one of these sets is a tokenizer transformers can load offline (fast JSON, SentencePiece, BPE vocab + merges).
 # Without one, AutoTokenizer says "You need to have sentencepiece or tiktoken installed" and calibration counts 0 tokens.
 TOKENIZER_FILES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+# The half-precision dtypes a source may be stored in that stages keep (anything else loads as fp32).
+HALF_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+SAFETENSORS_HALF = {"BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_DTYPES = {"F32": torch.float32, **SAFETENSORS_HALF}
+LoadDType = torch.dtype | Literal["auto"]
 
 
 class ModelLoadError(PipelineError):
@@ -84,8 +95,37 @@ def gguf_architecture(path: Path) -> str:
     return GGUF_FAMILIES[family]
 
 
-def load_model(source: str | Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load model and tokenizer in eval mode, fp32 by default. Never touches a model hub."""
+def source_dtype(source: str | Path) -> torch.dtype:
+    """The dtype a source is stored in when that is bf16 or fp16, else fp32.
+
+    An HF directory says it in config.json (`dtype`, or `torch_dtype` before transformers 5), else
+    its first safetensors header does. A GGUF file is quantized or fp32: it dequantizes to fp32.
+    """
+    path = Path(source)
+    if not path.is_dir():
+        return torch.float32
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        config = {}
+    named = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(named, str):
+        return HALF_DTYPES.get(named.removeprefix("torch."), torch.float32)
+    files = safetensors_files(path)
+    if files:
+        stored = {info["dtype"] for info in safetensors_layout(files[0])[1].values()}
+        if len(stored) == 1 and (only := stored.pop()) in SAFETENSORS_HALF:
+            return SAFETENSORS_HALF[only]
+    return torch.float32
+
+
+def resolve_dtype(source: str | Path, dtype: LoadDType) -> torch.dtype:
+    return source_dtype(source) if dtype == "auto" else dtype
+
+
+def load_model(source: str | Path, dtype: LoadDType = "auto") -> LoadedModel:
+    """Load model and tokenizer in eval mode, in the source's dtype when it is bf16/fp16, else fp32
+    (`dtype="auto"`); a torch dtype pins it. Never touches a model hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(source)
@@ -101,6 +141,7 @@ def load_model(source: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
         directory = path
     else:
         raise ModelLoadError(f"{path} is neither an HF model directory nor a .gguf file")
+    dtype = resolve_dtype(path, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), **kwargs)
         model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, **kwargs)
@@ -120,6 +161,102 @@ def load_model(source: str | Path, dtype: torch.dtype = torch.float32) -> Loaded
         architecture=describe_architecture(model.config),
         source={"model": str(path), "revision": None, "sha256": weights_digest(path)},
     )
+
+
+@dataclass
+class SourceWeights:
+    """An HF directory's safetensors weights, read one tensor at a time: the whole model is never in memory.
+
+    Tensors are read with plain file reads at the header's offsets into one reused buffer, not through a
+    memory map: every page of a map that has been read stays resident (RSS) until it is unmapped, so
+    mapping would bring the whole file into the stage's resident memory by the last tensor.
+    """
+
+    config: Any  # the transformers config
+    tokenizer: Any
+    architecture: Architecture
+    source: dict[str, Any]  # as LoadedModel.source
+    dtype: torch.dtype  # what `source_dtype` says the weights are stored in
+    shapes: dict[str, list[int]]  # every tensor the model uses, by its state-dict name
+    _where: dict[str, tuple[Any, int, int, str]]  # name -> (open file, absolute begin, end, safetensors dtype)
+    _buffer: torch.Tensor | None = None
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read into this object's buffer: valid until the next call (copy it to keep it)."""
+        handle, begin, end, stored = self._where[name]
+        size = end - begin
+        if self._buffer is None or self._buffer.numel() < size:
+            largest = max(e - b for _, b, e, _ in self._where.values())
+            self._buffer = torch.empty(largest, dtype=torch.uint8)
+        view = memoryview(self._buffer.numpy())[:size]
+        handle.seek(begin)
+        done = 0
+        while done < size:
+            count = handle.readinto(view[done:])
+            if not count:
+                raise ModelLoadError(f"{handle.name} ends inside tensor {name}")
+            done += count
+        return self._buffer[:size].view(SAFETENSORS_DTYPES[stored]).reshape(self.shapes[name])
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The directory's safetensors weight files: model.safetensors, or the shards its index names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        return [path / name for name in sorted(set(weight_map.values()))]
+    return [path / "model.safetensors"] if (path / "model.safetensors").is_file() else []
+
+
+@contextmanager
+def open_weights(source: str | Path) -> Iterator[SourceWeights | None]:
+    """The source's weights as `SourceWeights`, or None where they cannot be read tensor by tensor (a GGUF
+    file, pickled .bin weights, or safetensors whose names, shapes or dtypes are not the model's own):
+    load_model it then."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+
+    path = Path(source)
+    if not path.is_dir():
+        yield None
+        return
+    check_hf_dir(path)
+    files = safetensors_files(path)
+    if not files:
+        yield None
+        return
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        with torch.device("meta"):  # the names and shapes the model expects, without allocating it
+            expected = {k: list(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception as err:  # transformers raises its own kinds
+        raise ModelLoadError(f"could not read {path}: {type(err).__name__}: {err}") from None
+    if getattr(config, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    where: dict[str, tuple[Any, int, int, str]] = {}
+    shapes: dict[str, list[int]] = {}
+    with ExitStack() as files_open:
+        for file in files:
+            data_start, header = safetensors_layout(file)
+            handle = files_open.enter_context(open(file, "rb", buffering=0))
+            for name, info in header.items():
+                if name in expected and info["dtype"] in SAFETENSORS_DTYPES:
+                    begin, end = (data_start + offset for offset in info["data_offsets"])
+                    where[name] = (handle, begin, end, info["dtype"])
+                    shapes[name] = list(info["shape"])
+        if shapes != expected:  # renamed, missing or reshaped tensors: transformers' loader knows better
+            yield None
+            return
+        yield SourceWeights(
+            config=config,
+            tokenizer=tokenizer,
+            architecture=describe_architecture(config),
+            source={"model": str(path), "revision": None, "sha256": weights_digest(path)},
+            dtype=source_dtype(path),
+            shapes=shapes,
+            _where=where,
+        )
 
 
 def describe_architecture(config) -> Architecture:
