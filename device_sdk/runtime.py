@@ -51,10 +51,16 @@ from device_sdk.registry import read_local_state, verify_local
 from device_sdk.tlm import TLM, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 1}  # bytes per stored weight, by weight format
+# Bytes per stored weight, by weight format (int8/int4: a 34- or 18-byte block per 32 weights, device_sdk.quant).
+ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 34 / 32, "int4": 18 / 32}
 FORCE_TOKENS = ("?",)  # compression never drops a question mark (the labelling stage's default too)
 
 log = logging.getLogger(__name__)
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the model's context (`max_position`); refused before prefill
+    allocates anything for it (the device server answers 400)."""
 
 
 def _quality_summary(shape: LevelShape) -> str:
@@ -243,7 +249,7 @@ class ElasticModel:
         self.set_level(self.available_levels()[-1])
 
     @property
-    def element_size(self) -> int:
+    def element_size(self) -> float:
         """Bytes per stored weight in this model's weight format: what a decode step streams per parameter."""
         return ELEMENT_SIZE[self.weight_format]
 
@@ -263,7 +269,7 @@ class ElasticModel:
     @classmethod
     def load(cls, package_dir: Path, *, public_key=None, allow_unsigned: bool = False, quantize: str | None = None,
              native: bool = True, verify: bool = True) -> ElasticModel:
-        """Open a local package. `quantize`: "int8" or "fp16" at load; None keeps the stored format.
+        """Open a local package. `quantize`: "int8", "int4" or "fp16" at load; None keeps the stored format.
 
         The manifest's signature is checked with `public_key`, else with the key pinned for the
         package's name (`device_sdk.trust`); a package with neither, or an unsigned one, is
@@ -465,8 +471,12 @@ class ElasticModel:
             ids = self.tokenizer.encode(self._compressed(prompt, decision.prompt_ratio, keep)).ids
         if decision.level != self.level:
             self.set_level(decision.level)  # KV cache is per request, so switching here is safe
+        context = self.manifest.architecture.max_position
+        if len(ids) > context:  # before the KV cache, the attention mask or any activation is allocated
+            raise PromptTooLong(f"the prompt is {len(ids)} tokens; the model's context is {context} tokens "
+                                "(max_position), prompt and completion together")
         self._clone_setup(prompt, slo, len(ids), profile, experts)
-        max_len = min(len(ids) + max_new_tokens, self.manifest.architecture.max_position)
+        max_len = min(len(ids) + max_new_tokens, context)
         cache = self.transformer.new_cache(max_len)
         sampling = sampling or GREEDY
         pick = sampling.picker()
