@@ -12,7 +12,13 @@ from device_sdk import kernels, quant
 from device_sdk.elastic import ElasticLinear
 from device_sdk.kernels import GEMM_ROWS, make_linear, native_linear, reference_linear
 from device_sdk.runtime import ElasticModel
-from tests.support.sdk_packages import add_recovery_adapters, decode_both_ways, random_package, signing_key, token_ids
+from tests.support.sdk_packages import (
+    add_recovery_adapters,
+    decode_both_ways,
+    random_package,
+    signing_key,
+    token_ids,
+)
 
 KEY = signing_key()
 FORMATS = quant.QUANTIZED_FORMATS
