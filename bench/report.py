@@ -1061,6 +1061,57 @@ def clone_seeds(r: Results) -> str:
     )
 
 
+# --- scale -----------------------------------------------------------------------------------------
+
+SCALE = "bench/results/scale.json"
+SCALE_SERVICE = "bench/results/scale-service.json"
+GIB = 2 ** 30
+
+
+def _stage_rate(row: dict) -> str:
+    """Time per unit of a stage's work, as bench_scale measures it."""
+    if row.get("decode_step_ms"):
+        return f"{num(row['decode_step_ms'], 0)} ms/token"
+    if "bytes" in row:
+        return f"{num(row['bytes'] / 2 ** 20 / row['seconds'], 0)} MiB/s"
+    for unit in ("tokens", "tensors"):
+        if row.get(unit):
+            return f"{num(row['seconds'] / row[unit] * 1e3, 1)} ms/{unit[:-1]}"
+    return "–"
+
+
+def scale_stages(r: Results) -> str:
+    rows = []
+    for row in r.get(SCALE, "rows"):
+        if "error" in row:
+            rows.append([row["shape"], row["weights"], row["stage"], num(row["model_bytes"] / GIB), "failed: "
+                         + "; ".join(row["error"]), "", "", "", ""])
+            continue
+        rows.append([row["shape"], row["weights"], row["stage"], num(row["model_bytes"] / GIB),
+                     num(row["peak_rss"] / GIB), times(row["peak_ratio"]), times(row["above_baseline_ratio"]),
+                     num(row["seconds"], 1), _stage_rate(row)])
+    return table(["shape", "weights", "stage", "model GiB", "peak GiB", "peak ÷ model", "(peak − imports) ÷ model",
+                  "seconds", "per unit"], rows)
+
+
+def scale_gpu_hours(r: Results) -> str:
+    rows = []
+    for estimate in r.get(SCALE, "gpu_hours"):
+        by_stage = {stage["stage"]: stage for stage in estimate["stages"]}
+        rows.append([estimate["shape"], *(num(by_stage[name]["hours_conservative"]) for name in
+                                          ("profile", "recover", "corpus-generate", "tlm-score", "label", "evaluate")),
+                     num(estimate["gpu_hours_conservative"]), num(estimate["gpu_hours_best"])])
+    return table(["shape", "profile", "recover", "corpus-generate", "tlm-score", "label", "evaluate",
+                  "total (GPU-h)", "total at the best measured rate"], rows)
+
+
+def scale_service(r: Results) -> str:
+    rows = [[a["stage"], a["status"], num(a["wall_seconds"] or 0, 1),
+             *("–" if a.get(key) is None else num(a[key] / 2 ** 20, 1) for key in
+               ("bytes_fetched", "bytes_stored", "bytes_cached"))] for a in r.get(SCALE_SERVICE, "rows")]
+    return table(["stage", "status", "wall s", "fetched MiB", "stored MiB", "from the node cache MiB"], rows)
+
+
 # --- service ---------------------------------------------------------------------------------------
 
 PROBE = "bench/results/probe_service.json"
