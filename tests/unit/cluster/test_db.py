@@ -9,20 +9,13 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import select
 
-from cluster.db import alembic_config, make_engine, migrate, session_factory
+from cluster.db import alembic_config, make_engine, migrate
 from cluster.ledger import usage
 from cluster.models import Alias, Attempt, Base, Build, Package, Stage, Tenant
 from cluster.packages import PublishRefused, alias_key, register_package
 from cluster.states import IllegalTransition, Status, advance
 from device_sdk.format import canonical_json
 from workers.store import LocalStore
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    migrate(url)
-    return session_factory(make_engine(url))
 
 
 def test_migrations_create_exactly_the_models_schema(tmp_path):

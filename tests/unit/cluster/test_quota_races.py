@@ -5,17 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.db import lock_for_write, make_engine, migrate, session_factory
+from cluster.db import lock_for_write
 from cluster.models import Tenant
 from cluster.service import set_quota
 from tests.support.quota_races import builds_of, concurrent_submissions, concurrent_uploads, uploaded_of
-
-
-@pytest.fixture
-def sessions(tmp_path):
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    migrate(url)
-    return session_factory(make_engine(url))
 
 
 def test_thirty_concurrent_submissions_under_a_limit_of_three_queue_exactly_three(sessions):
