@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, console, print_table, write_results
+from bench.report import stage_rate
 
 # The families' published shapes (config.json of each); vocabularies are the real ones, so the
 # embedding and LM head weigh what they weigh in the real model.
@@ -246,22 +247,10 @@ def measure(shapes: list[str], root: Path, device: str = "cpu", tokenizer_dir: P
     return rows
 
 
-def _rate(row: dict) -> str:
-    """Time per unit of the stage's work."""
-    if "decode_step_ms" in row:
-        return f"{row['decode_step_ms']:.0f} ms/token" if row["decode_step_ms"] else "-"
-    if "bytes" in row:
-        return f"{row['bytes'] / 2**20 / row['seconds']:.0f} MiB/s"
-    for unit in ("tokens", "tensors"):
-        if row.get(unit):
-            return f"{row['seconds'] / row[unit] * 1e3:.1f} ms/{unit[:-1]}"
-    return "-"
-
-
 def show(rows: list[dict]) -> None:
     table = [[row["shape"], row["stage"], f"{row['model_bytes'] / 2**30:.2f}", f"{row.get('peak_rss', 0) / 2**30:.2f}",
               f"{row.get('peak_ratio', float('nan')):.2f}", f"{row.get('above_baseline_ratio', float('nan')):.2f}",
-              f"{row.get('seconds', float('nan')):.1f}", _rate(row) if "seconds" in row else "; ".join(row["error"])]
+              f"{row.get('seconds', float('nan')):.1f}", stage_rate(row) if "seconds" in row else "; ".join(row["error"])]
              for row in rows]
     print_table("cost per stage (shapes above 135M: random weights, cost only, never quality)",
                 ["shape", "stage", "model GiB", "peak GiB", "peak/model", "(peak-import)/model", "s", "per unit"], table)

@@ -1068,7 +1068,7 @@ SCALE_SERVICE = "bench/results/scale-service.json"
 GIB = 2 ** 30
 
 
-def _stage_rate(row: dict) -> str:
+def stage_rate(row: dict) -> str:
     """Time per unit of a stage's work, as bench_scale measures it."""
     if row.get("decode_step_ms"):
         return f"{num(row['decode_step_ms'], 0)} ms/token"
@@ -1089,7 +1089,7 @@ def scale_stages(r: Results) -> str:
             continue
         rows.append([row["shape"], row["weights"], row["stage"], num(row["model_bytes"] / GIB),
                      num(row["peak_rss"] / GIB), times(row["peak_ratio"]), times(row["above_baseline_ratio"]),
-                     num(row["seconds"], 1), _stage_rate(row)])
+                     num(row["seconds"], 1), stage_rate(row)])
     return table(["shape", "weights", "stage", "model GiB", "peak GiB", "peak ÷ model", "(peak − imports) ÷ model",
                   "seconds", "per unit"], rows)
 
