@@ -58,10 +58,11 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
 
 # llama.cpp (llama-cpp-python) in its own venv, for the device bench's rival and the GGUF export's
-# tests; nothing of ours goes in it.
+# tests; nothing of ours goes in it. Text only: the multimodal library (mtmd, ~10% of the build) is
+# skipped; llama_cpp imports it only for image chat handlers.
 LLAMA_VENV ?= .venv-llama
 llama-cpp: $(LLAMA_VENV)/.installed
 $(LLAMA_VENV)/.installed: requirements/llama-cpp.txt
 	test -x $(LLAMA_VENV)/bin/python || python3 -m venv $(LLAMA_VENV)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/llama-cpp.txt
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(LLAMA_VENV)/bin/pip --disable-pip-version-check -q install -r requirements/llama-cpp.txt
 	touch $@
