@@ -35,11 +35,12 @@ services:
 	@command -v pg_config >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql libpq-dev)
 	@command -v chromedriver >/dev/null || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver)
 
-# llama.cpp builds from source (~10 min of one core) beside the tests, which are mostly serial: the
+# llama.cpp builds from source (~10 min of one core) beside the tests, which are mostly serial (niced, so
+# a test's second thread wins the core): the
 # one module that runs it (tests/unit/pipeline/test_roundtrip_export_gguf.py) waits for the build's stamp.
 LLAMA_BUILD_LOG = $(LLAMA_VENV)-build.log
 test: assets lint services
-	@$(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \
+	@nice -n 10 $(MAKE) --no-print-directory llama-cpp > $(LLAMA_BUILD_LOG) 2>&1 & build=$$!; \
 	ELASTIFY_LLAMA_BUILD_PID=$$build ELASTIFY_LLAMA_BUILD_LOG=$(LLAMA_BUILD_LOG) $(PY) -m pytest tests --durations=25; status=$$?; \
 	if ! wait $$build; then echo "llama.cpp's build failed:"; tail -n 40 $(LLAMA_BUILD_LOG); status=1; fi; \
 	exit $$status
