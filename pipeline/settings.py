@@ -356,6 +356,9 @@ class ReportCardSettings(StageSettings):
     usable_repeat_floor: float = Field(default=0.02, ge=0.0, le=1.0)
     prompt_tokens: PositiveInt = 128  # the prompt length latency is reported at
     measure_latency: bool = True
+    # Quantised formats the card also scores every level at (the SDK's block formats, quantised at load):
+    # each level against itself in full precision and against the full model, with its own usable verdict.
+    precisions: list[Literal["int8", "int4"]] = Field(default_factory=lambda: ["int8", "int4"])
     ppl_noise: float = Field(default=0.02, ge=0.0)  # relative band on perplexity
     accuracy_noise: float | None = Field(default=None, ge=0.0)  # absolute band; None: two binomial standard errors
     gate: bool = True

@@ -82,7 +82,7 @@ def apply_quality(package_dir: Path, report: dict) -> None:
 
     The report card's {levels: {name: {"ppl:<corpus>": …, "ppl_ratio:<corpus>": …, "accuracy": …,
     "usable": …, …}}}: its perplexities, ratios to the full model, accuracy, generation health, and
-    usable verdict.
+    usable verdict; per quantised format, its ratios and agreement as "<precision>:<key>".
     """
     manifest = read_manifest(package_dir)
     for level in manifest.elastic.levels:
@@ -94,6 +94,10 @@ def apply_quality(package_dir: Path, report: dict) -> None:
                 level.quality[key] = round(float(value), 4)
         if "usable" in row:
             level.usable = bool(row["usable"])
+        for precision, section in report.get("precisions", {}).items():
+            for key, value in section["levels"].get(level.name, {}).items():
+                if value is not None and key.startswith(("ppl_ratio:", "ppl_ratio_to_float:", "top1_agreement")):
+                    level.quality[f"{precision}:{key}"] = round(float(value), 4)
     rewrite_manifest(package_dir, manifest)
 
 
@@ -216,6 +220,11 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
     held-out accuracy with its standard error, generation health, top-1 agreement, the usable verdict,
     and predicted and measured latency.
 
+    Then the same per quantised format of `settings.precisions` (the SDK's block formats, quantised at
+    load; perplexity runs the prefill path, which dequantises the weights, so it measures the weights'
+    rounding, while decode also quantises activations): ratios to the same level in full precision and to
+    the full model, top-1 agreement with both, and a usable verdict judged against the full model.
+
     `profile` is the cost model to predict latency with; by default the package's own, if it has one.
     `corpus_dir` (a recovery corpus) adds its held-out generated slice; `recovery` (the recover
     stage's metrics per level) says how the levels were recovered (see `in_domain_reference`).
@@ -240,25 +249,12 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
     # Largest first: the full model is every other level's reference.
     ordered = sorted(manifest.elastic.levels, key=lambda shape: shape.level, reverse=True)
     reference_name = ordered[0].name
-    levels, reference_argmax = {}, {}
+    levels, argmax = {}, {}
     for level in ctx.track(ordered, "evaluate: report card"):
         model.set_level(level.name)  # widths and the level's LoRA
-        row: dict = {"active_fraction": level.active_fraction, "adapted": level.adapter is not None}
-        agree = compared = 0
-        for corpus, corpus_windows in windows.items():
-            nll, argmax = window_predictions(model, corpus_windows)
-            row[f"ppl:{corpus}"] = math.exp(nll)
-            if corpus in out_of_domain:
-                reference_argmax.setdefault(corpus, argmax)
-                agree += int((argmax == reference_argmax[corpus]).sum())
-                compared += argmax.numel()
-        if compared:
-            row["top1_agreement"] = agree / compared
-        if items:
-            row["accuracy"] = sum(answer_correct(model, tokenizer, it) for it in items) / len(items)
-            row["accuracy_stderr"] = accuracy_stderr(row["accuracy"], len(items))
-        if settings.generation_prompts:
-            row["repeat_4gram_rate"] = repeated_4gram_rate(generation_outputs(model, level.name, settings))
+        row, argmax[level.name] = _level_row(model, windows, items, tokenizer, settings)
+        row.update(active_fraction=level.active_fraction, adapted=level.adapter is not None)
+        _agreement(row, "top1_agreement", argmax[level.name], argmax[reference_name], out_of_domain)
         if profile is not None and level.name in profile.levels:
             row["predicted_ttft_ms"] = profile.ttft_ms(level.name, settings.prompt_tokens)
             row["predicted_tpot_ms"] = profile.tpot_ms(level.name)
@@ -267,11 +263,29 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
             row["measured_ttft_ms"], row["measured_tpot_ms"] = ttft[settings.prompt_tokens], tpot
         levels[level.name] = row
     reference = levels[reference_name]
+    ratio_corpora = out_of_domain + (in_domain if in_domain_ok else [])
     for name, row in levels.items():
-        for corpus in out_of_domain + (in_domain if in_domain_ok else []):
-            row[f"ppl_ratio:{corpus}"] = row[f"ppl:{corpus}"] / reference[f"ppl:{corpus}"]
+        _ratios(row, "ppl_ratio", reference, ratio_corpora)
         reasons = [] if name == reference_name else usable_reasons(row, reference, out_of_domain, settings)
         row["usable"], row["unusable_because"] = not reasons, reasons
+    precisions = {}
+    for precision in settings.precisions:
+        quantised = ElasticModel.load(package_dir, verify=False, allow_unsigned=True, quantize=precision)
+        rows = {}
+        for level in ctx.track(ordered, f"evaluate: report card at {precision}"):
+            quantised.set_level(level.name)
+            row, top = _level_row(quantised, windows, items, tokenizer, settings)
+            row["active_fraction"] = level.active_fraction
+            _agreement(row, "top1_agreement", top, argmax[reference_name], out_of_domain)
+            _agreement(row, "top1_agreement_with_float", top, argmax[level.name], out_of_domain)
+            _ratios(row, "ppl_ratio", reference, ratio_corpora)
+            _ratios(row, "ppl_ratio_to_float", levels[level.name], list(windows))
+            # Judged against the full model in full precision: what a device serving this precision gives up.
+            reasons = usable_reasons(row, reference, out_of_domain, settings)
+            row["usable"], row["unusable_because"] = not reasons, reasons
+            rows[level.name] = row
+        precisions[precision] = {"levels": {name: rows[name] for name in sorted(rows, key=Level)}}
+        del quantised
     return {"levels": {name: levels[name] for name in sorted(levels, key=Level)},
             "reference_level": reference_name, "out_of_domain": out_of_domain, "in_domain": in_domain,
             "in_domain_reference": in_domain_why, "items": len(items), "tasks": settings.tasks,
@@ -279,7 +293,36 @@ def report_card(package_dir: Path, settings: ReportCardSettings, ctx: StageConte
             "generation": {"prompts": settings.generation_prompts, "tokens": settings.generation_tokens},
             "usable_thresholds": {"ppl_ratio": settings.usable_ppl_ratio, "repeat_ratio": settings.usable_repeat_ratio,
                                   "repeat_floor": settings.usable_repeat_floor},
-            "prompt_tokens": settings.prompt_tokens}
+            "prompt_tokens": settings.prompt_tokens, "precisions": precisions}
+
+
+def _level_row(model: ElasticModel, windows: dict[str, torch.Tensor], items: list, tokenizer,
+               settings: ReportCardSettings) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The model's measurements at its current level: perplexity per corpus, held-out accuracy and
+    generation health, with the argmax next tokens per corpus that top-1 agreement compares."""
+    row: dict = {}
+    argmax = {}
+    for corpus, corpus_windows in windows.items():
+        nll, argmax[corpus] = window_predictions(model, corpus_windows)
+        row[f"ppl:{corpus}"] = math.exp(nll)
+    if items:
+        row["accuracy"] = sum(answer_correct(model, tokenizer, it) for it in items) / len(items)
+        row["accuracy_stderr"] = accuracy_stderr(row["accuracy"], len(items))
+    if settings.generation_prompts:
+        row["repeat_4gram_rate"] = repeated_4gram_rate(generation_outputs(model, model.level, settings))
+    return row, argmax
+
+
+def _agreement(row: dict, key: str, argmax: dict, reference: dict, corpora: list[str]) -> None:
+    """Top-1 agreement of `argmax` with `reference` over `corpora`'s positions, as row[key] (none: no corpus)."""
+    compared = sum(argmax[c].numel() for c in corpora)
+    if compared:
+        row[key] = sum(int((argmax[c] == reference[c]).sum()) for c in corpora) / compared
+
+
+def _ratios(row: dict, prefix: str, reference: dict, corpora: list[str]) -> None:
+    for corpus in corpora:
+        row[f"{prefix}:{corpus}"] = row[f"ppl:{corpus}"] / reference[f"ppl:{corpus}"]
 
 
 def plot_quality(card: dict, path: Path) -> Path:
@@ -312,6 +355,12 @@ def plot_quality(card: dict, path: Path) -> Path:
     for key in ratio_keys:
         domain = "in domain" if key.split(":", 1)[1] in card.get("in_domain", []) else "out of domain"
         series(left, key, f"{key.split(':', 1)[1]} ({domain})")
+    for precision, section in card.get("precisions", {}).items():  # dashed: the quantised formats
+        quantised = [section["levels"][name] for name in names if name in section["levels"]]
+        for key in (k for k in ratio_keys if k.split(":", 1)[1] in card.get("out_of_domain", [])):
+            points = [(row["active_fraction"], row[key]) for row in quantised if row.get(key) is not None]
+            left.plot([p[0] for p in points], [p[1] for p in points], "--", marker=".",
+                      label=f"{key.split(':', 1)[1]} at {precision}")
     left.axhline(card.get("usable_thresholds", {}).get("ppl_ratio", 3.0), color="grey", linestyle="--",
                  linewidth=0.8, label="usable limit")
     left.set_yscale("log")

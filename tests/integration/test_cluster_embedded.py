@@ -32,7 +32,7 @@ def test_embedded_service_builds_publishes_and_signs_with_a_generated_key(tmp_pa
             "profile": {"settings": {"windows": 2, "window_length": 32, "attn_method": "taylor"}},
             "elastify": {"settings": {"align": 8}},
             "evaluate": {"settings": {"corpora": [str(calib_text)], "windows": 2, "window_length": 32, "tasks": [],
-                                      "measure_latency": False}},
+                                      "measure_latency": False, "precisions": []}},
             **{name: {"enabled": False} for name in ELASTILM_STAGES},
         },
         "publish": {"name": "tiny", "version": "0.1.0"},

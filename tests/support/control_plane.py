@@ -54,7 +54,8 @@ def small_elastic_spec(model_dir: Path, name: str, aliases: list[str]) -> dict:
         "stages": {
             "profile": {"settings": {"windows": 2, "window_length": 32, "layer_method": "block_influence"}},
             "evaluate": {"settings": {"windows": 2, "window_length": 32, "corpora": ["ptb:test"], "tasks": [],
-                                      "generation_prompts": 2, "generation_tokens": 8, "measure_latency": False}},
+                                      "generation_prompts": 2, "generation_tokens": 8, "measure_latency": False,
+                                      "precisions": []}},
             **{stage: {"enabled": False} for stage in ELASTILM_STAGES},
         },
         "publish": {"name": name, "version": "0.0.1", "aliases": aliases},

@@ -51,7 +51,7 @@ def test_evaluate_report_card_runs_every_level_and_gates(tmp_path, calib_text):
                             levels=[0.5, 1.0])
     add_recovery_adapters(package, signing_key())
     settings = evaluate.ReportCardSettings(corpora=[str(calib_text)], windows=2, window_length=32, tasks=["arc_easy"],
-                                           items=3, prompt_tokens=16, gate=False)
+                                           items=3, prompt_tokens=16, gate=False, precisions=[])
     out = evaluate.run_card({"package": package}, settings, quiet_context(tmp_path / "card"))
     card = json.loads(out["report_card"].read_text())
     assert set(card["levels"]) == {"0.5", "1.0"}

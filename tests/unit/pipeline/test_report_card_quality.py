@@ -101,6 +101,21 @@ def test_report_card_measures_every_level_against_the_full_model(recovered_packa
     assert full["usable"] and full["unusable_because"] == []
     assert half["usable"] == (half["ppl_ratio:heldout"] <= 1.0 and not half["unusable_because"])
     assert out["quality_plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each quantised format scores every level, against itself in full precision and against the full
+    # model in full precision (what a device serving that format gives up), with its own verdict.
+    assert set(card["precisions"]) == {"int8", "int4"}
+    for precision, section in card["precisions"].items():
+        assert set(section["levels"]) == set(card["levels"]), precision
+        for name, row in section["levels"].items():
+            floating = card["levels"][name]
+            for key in ("heldout", str(calib_text)):
+                assert row[f"ppl_ratio_to_float:{key}"] == pytest.approx(row[f"ppl:{key}"] / floating[f"ppl:{key}"])
+                assert row[f"ppl_ratio:{key}"] == pytest.approx(row[f"ppl:{key}"] / full[f"ppl:{key}"])
+            assert row["unusable_because"] == evaluate.usable_reasons(row, full, ["heldout"], settings)
+            assert row["usable"] == (not row["unusable_because"])
+    int8, int4 = (card["precisions"][p]["levels"]["1.0"] for p in ("int8", "int4"))
+    assert abs(math.log(int8["ppl_ratio_to_float:heldout"])) < 0.01  # Q8_0 blocks: perplexity barely moves
+    assert int8["top1_agreement_with_float"] > int4["top1_agreement_with_float"]  # 4 bits lose more than 8
 
 
 def test_window_predictions_agree_with_the_pipelines_perplexity(recovered_package, calib_text):
@@ -123,7 +138,11 @@ def test_publish_puts_the_verdict_and_the_plot_in_the_signed_package(recovered_p
                                "top1_agreement": 0.4, "usable": False, "unusable_because": ["x"]},
                        "1.0": {"active_fraction": 1.0, "ppl:x": 10.0, "ppl_ratio:x": 1.0, "repeat_4gram_rate": 0.1,
                                "top1_agreement": 1.0, "usable": True, "unusable_because": []}},
-            "in_domain": [], "items": 0}
+            "in_domain": [], "out_of_domain": ["x"], "items": 0,
+            "precisions": {"int4": {"levels": {"0.5": {"active_fraction": 0.5, "ppl_ratio:x": 4.4,
+                                                       "ppl_ratio_to_float:x": 1.1, "usable": False},
+                                               "1.0": {"active_fraction": 1.0, "ppl_ratio:x": 1.05,
+                                                       "ppl_ratio_to_float:x": 1.05, "usable": True}}}}}
     report = tmp_path / "report_card.json"
     report.write_text(json.dumps(card))
     plot = evaluate.plot_quality(card, tmp_path / "plot" / "quality.png")
@@ -133,6 +152,7 @@ def test_publish_puts_the_verdict_and_the_plot_in_the_signed_package(recovered_p
     assert evaluate.QUALITY_PLOT in {entry.path for entry in manifest.files}
     assert [(shape.name, shape.usable) for shape in manifest.elastic.levels] == [("0.5", False), ("1.0", True)]
     assert manifest.elastic.level("0.5").quality["top1_agreement"] == 0.4
+    assert manifest.elastic.level("0.5").quality["int4:ppl_ratio_to_float:x"] == 1.1
 
 
 def test_window_nlls_are_each_windows_own_loss_whatever_the_batch(recovered_package, calib_text):
