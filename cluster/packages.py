@@ -7,12 +7,19 @@ Store layout (what device_sdk.pull reads from a bucket):
 Versions are immutable: publishing a name and version again is refused unless it is the very
 same manifest (an identical, cached resubmission). Aliases move. The package row (with its
 aliases, in one transaction) is written after every file is in place, so a reader that finds
-the row finds a complete package.
+the row finds a complete package. The alias rows are the truth; the alias objects in the store
+are derived from them and rewritten on every publish attempt (the "nothing to do" retry too), so a
+crash between the row's commit and the objects' write is repaired by the retry.
+
+Each manifest carries a signed `sequence` (device_sdk.format.Manifest): `next_sequence` is one more
+than the highest registered for the name, handed to the publish stage before it signs, and a
+manifest whose sequence is not above every registered one is refused here (two builds raced).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -40,6 +47,35 @@ def name_owner(session, name: str) -> str | None:
     )
 
 
+def manifest_sequence(raw: bytes) -> int:
+    """The `sequence` of a manifest's bytes (0: a manifest from before sequences, or none readable)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return 0
+    value = data.get("sequence", 0) if isinstance(data, dict) else 0
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def highest_sequence(session, store, name: str) -> int:
+    """The highest manifest sequence among the registered versions of `name` (0 when none has one)."""
+    uris = session.scalars(select(Package.uri).where(Package.name == name)).all()
+    return max((manifest_sequence(store.get_bytes(f"{uri}/{MANIFEST}")) for uri in uris), default=0)
+
+
+def next_sequence(session, store, name: str) -> int:
+    """The sequence the next publish of `name` signs: one more than the highest registered."""
+    return highest_sequence(session, store, name) + 1
+
+
+def write_alias_objects(session, store, name: str, aliases: list[str]) -> None:
+    """Write each alias object from its row (what the row says now, not what this build asked for)."""
+    for alias in aliases:
+        row = session.get(Alias, (name, alias))
+        if row is not None:
+            store.put_bytes(alias_key(name, alias), session.get(Package, row.package_id).version.encode())
+
+
 def register_package(ctx) -> None:
     """Register the package a stage made (its `publishes` output; ctx: cluster.scheduler.PublishContext)."""
     target = ctx.build.spec["publish"]
@@ -58,8 +94,16 @@ def register_package(ctx) -> None:
     if existing is not None:
         if existing.manifest_sha256 != manifest_sha:
             raise PublishRefused(f"{name} {version} is already published (by build {existing.build_id}); versions are immutable")
-        _log(ctx, f"{name} {version} already published with the same manifest; nothing to do")
+        with ctx.sessions() as session:  # a crash after the row's commit left them unwritten: repair them
+            write_alias_objects(session, ctx.store, name, aliases)
+        _log(ctx, f"{name} {version} already published with the same manifest; alias objects rewritten")
         return
+    sequence = manifest_sequence(ctx.store.get_bytes(f"{ref.key}/files/{MANIFEST}"))
+    with ctx.sessions() as session:
+        highest = highest_sequence(session, ctx.store, name)
+    if highest and sequence <= highest:
+        raise PublishRefused(f"{name} {version} has manifest sequence {sequence}, not above sequence {highest} "
+                             "already published for the name (another build published first); build it again")
     if ctx.store.exists(f"{prefix}/{MANIFEST}"):
         stored = hashlib.sha256(ctx.store.get_bytes(f"{prefix}/{MANIFEST}")).hexdigest()
         if stored != manifest_sha:
@@ -84,8 +128,8 @@ def register_package(ctx) -> None:
         raise PublishRefused(f"{name} {version} was published concurrently by another build") from None
     # Alias objects let devices resolve `latest` straight from the bucket (device_sdk.pull layout);
     # they move only once the version they name is registered.
-    for alias in aliases:
-        ctx.store.put_bytes(alias_key(name, alias), version.encode())
+    with ctx.sessions() as session:
+        write_alias_objects(session, ctx.store, name, aliases)
 
 
 def _log(ctx, message: str) -> None:

@@ -23,6 +23,7 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -236,10 +237,26 @@ class Manifest:
     latency_profile: dict[str, Any] | None = None
     clone: dict[str, Any] | None = None
     experts: dict[str, Any] | None = None
+    # Rollback and freeze protection (section 3 of docs/design.md): `sequence` is one more than the highest
+    # sequence published for this name before it, so a device can refuse an older release however it is
+    # served; `expires_at` (ISO 8601 with a zone) bounds how long a registry may keep serving this manifest.
+    # Both are signed. A manifest from before them reads as sequence 0, never expiring.
+    sequence: int = 0
+    expires_at: str | None = None
     signature: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        # Left out at their defaults, so that a manifest signed before these fields existed still has the
+        # signed bytes it was signed over.
+        for name, default in (("sequence", 0), ("expires_at", None)):
+            if data[name] == default:
+                del data[name]
+        return data
+
+    def expires(self) -> datetime | None:
+        """`expires_at` as an aware datetime (None: never)."""
+        return None if self.expires_at is None else _aware_time(self.expires_at, "expires_at")
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
@@ -277,6 +294,9 @@ class Manifest:
         return manifest
 
     def validate(self) -> None:
+        if isinstance(self.sequence, bool) or not isinstance(self.sequence, int) or self.sequence < 0:
+            raise PackageError(f"manifest sequence must be a non-negative integer, not {self.sequence!r}")
+        self.expires()
         self.architecture.validate()
         arch, el = self.architecture, self.elastic
         if len(el.attn_units) != arch.layers or len(el.mlp_units) != arch.layers:
@@ -379,6 +399,17 @@ def expert_entries(manifest: Manifest) -> list[ExpertEntry]:
     if not data.get("temperature", 1.0) > 0:
         raise PackageError("experts.temperature must be positive")
     return entries
+
+
+def _aware_time(text: Any, where: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text) if isinstance(text, str) else None
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise PackageError(f"manifest {where} must be an ISO 8601 time with a zone (e.g. 2027-01-01T00:00:00+00:00), "
+                           f"not {text!r}")
+    return moment
 
 
 def _build(kind, data: Mapping[str, Any], where: str):

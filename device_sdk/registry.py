@@ -36,8 +36,14 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory lock; concurrent pulls there may race on the sequence record
+    fcntl = None
 
 from device_sdk.client import ElastifyAPIError, ElastifyClient
 from device_sdk.format import (
@@ -330,6 +336,69 @@ def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
 # --------------------------------------------------------------------------- pull
 
 
+SEQUENCES = ".sequences.json"  # in the cache root: the highest manifest sequence installed per package name
+
+
+def installed_sequences(cache_root: Path) -> dict[str, int]:
+    """The highest sequence this device installed per name ({} before the first sequenced pull).
+
+    A record that cannot be read is an error, not an empty record: forgetting it would let a
+    rollback through.
+    """
+    path = Path(cache_root) / SEQUENCES
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise PackageError(f"the installed-sequence record {path} cannot be read ({err}); "
+                           "delete it only if you accept that rollbacks go unnoticed until the next pull") from None
+    if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in data.values()):
+        raise PackageError(f"the installed-sequence record {path} is malformed")
+    return data
+
+
+def record_sequence(cache_root: Path, name: str, sequence: int) -> None:
+    """Raise the recorded sequence of `name` to `sequence` (never lowers it: a deliberate downgrade stays one)."""
+    cache_root = Path(cache_root)
+    cache_root.mkdir(parents=True, exist_ok=True)
+    with _sequence_lock(cache_root):
+        sequences = installed_sequences(cache_root)
+        if sequence > sequences.get(name, 0):
+            sequences[name] = sequence
+            atomic_write_bytes(cache_root / SEQUENCES, canonical_json(dict(sorted(sequences.items()))))
+
+
+@contextmanager
+def _sequence_lock(cache_root: Path):
+    """Serialise read-modify-write of the sequence record between concurrent pulls (POSIX advisory lock)."""
+    with open(cache_root / f"{SEQUENCES}.lock", "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def check_fresh(manifest: Manifest, cache_root: Path, *, requested: str, allow_downgrade: bool = False,
+                now: datetime | None = None) -> None:
+    """Refuse an expired manifest, and one older than what this device installed for its name.
+
+    The sequence is read from the signed manifest, so whatever an alias or a registry says about
+    which version is current, an older release is refused. A manifest without a sequence (0, from
+    before sequences) is accepted only while this device has installed no sequenced release of the
+    name; after that it counts as older.
+    """
+    expires = manifest.expires()
+    if expires is not None and expires <= (now or datetime.now(timezone.utc)):  # noqa: UP017 (SDK runs on 3.10)
+        raise PackageError(f"{manifest.name} {manifest.version} expired at {manifest.expires_at}: the registry is "
+                           "serving stale metadata (or the publisher let it lapse); refusing it")
+    highest = installed_sequences(cache_root).get(manifest.name, 0)
+    if manifest.sequence < highest and not allow_downgrade:
+        via = "" if requested == manifest.version else f" (what {requested!r} points to)"
+        raise PackageError(f"{manifest.name} {manifest.version}{via} has sequence {manifest.sequence}, older than "
+                           f"sequence {highest} already installed here: refusing a rollback "
+                           "(allow_downgrade=True / --allow-downgrade to install it on purpose)")
+
+
 def read_release(registry: Registry, name: str, version_or_alias: str) -> tuple[str, bytes]:
     """(version, raw manifest): a version directory if there is one, else the alias's target."""
     try:
@@ -363,6 +432,7 @@ def pull(
     workers: int = 4,
     token: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    allow_downgrade: bool = False,
 ) -> Path:
     """Download, verify and install a package; return its local directory.
 
@@ -376,6 +446,10 @@ def pull(
     `registry` ending in /v1 (or an ElastifyClient) is the Elastify REST API; `token` is its
     bearer token (default: ELASTIFY_TOKEN). `on_progress(bytes done, bytes needed)` is called
     as blocks arrive, from the download threads.
+
+    Rollback and freeze: an expired manifest is refused, and so is one whose signed `sequence` is
+    lower than the highest this device installed for `name` (recorded in the cache root), unless
+    `allow_downgrade`; an alias is only a pointer, so what it names is checked the same way.
     """
     for label, value in (("name", name), ("version", version_or_alias)):
         if not SAFE_NAME.fullmatch(value) or value in (".", ".."):
@@ -393,12 +467,14 @@ def pull(
         level = None  # the largest level needs every byte: a full pull
 
     root = Path(cache_dir) if cache_dir is not None else default_cache()
+    check_fresh(manifest, root, requested=version_or_alias, allow_downgrade=allow_downgrade)
     target = root / name / version
     if _covers(read_local_state(target), level):
         try:
             if (target / MANIFEST).read_bytes() != raw_manifest:
                 raise PackageError("its manifest is not the registry's")
             verify_local(target, public_key, full=True)
+            record_sequence(root, name, manifest.sequence)
             return target
         except (OSError, PackageError) as err:  # changed since install: replace it with a verified copy
             log.warning("the installed copy %s does not verify (%s); fetching it again", target, err)
@@ -422,6 +498,7 @@ def pull(
         shutil.rmtree(staging, ignore_errors=True)  # nothing unverified is kept
         raise
     _install(staging, target)
+    record_sequence(root, name, manifest.sequence)
     return target
 
 

@@ -51,10 +51,12 @@ def load_private_key(pem: str | bytes):
 
 
 def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[str, Path] | None = None,
-                    exports: Path | None = None) -> Path:
+                    exports: Path | None = None, *, sequence: int | None = None,
+                    expires_at: str | None = None) -> Path:
     """Write a copy of `package_dir` to `out_dir`, with each extra installed by its INSTALLERS entry, signed
     with `private_key` (None: left unsigned), and the export stage's output, if any, beside it (not in the
-    manifest)."""
+    manifest). `sequence` and `expires_at`, when given, go into the manifest before it is signed (the
+    rollback and freeze fields of device_sdk.format.Manifest)."""
     package_dir, out_dir = Path(package_dir), Path(out_dir)
     extras = extras or {}
     unknown = sorted(set(extras) - set(INSTALLERS))
@@ -67,6 +69,12 @@ def publish_package(package_dir: Path, out_dir: Path, private_key, extras: dict[
     for name, install in INSTALLERS.items():
         if name in extras:
             install(staging, Path(extras[name]))
+    if sequence is not None or expires_at is not None:
+        manifest = read_manifest(staging)
+        manifest.sequence = manifest.sequence if sequence is None else sequence
+        manifest.expires_at = manifest.expires_at if expires_at is None else expires_at
+        manifest.validate()
+        atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
     if private_key is not None:
         manifest = sign_manifest(read_manifest(staging), private_key)
         atomic_write_bytes(staging / MANIFEST, canonical_json(manifest.to_dict()))
@@ -82,13 +90,18 @@ def run(inputs: dict[str, Path], settings: StageSettings, ctx: StageContext) -> 
     ctx.runtime["signing_key"] (Ed25519 private key, PEM). Publish has no settings of its own.
 
     The scheduler always hands over the deployment's key (it refuses to dispatch without one); only a
-    build run in-process without a key (`elastify elastify`) writes an unsigned package.
+    build run in-process without a key (`elastify elastify`) writes an unsigned package. The manifest's
+    `sequence` is ctx.runtime["package_sequence"] (cluster.packages.next_sequence, handed over at dispatch)
+    and its `expires_at` ctx.runtime["package_expires_at"], when the caller provides them.
     """
     signing_key = ctx.runtime.get("signing_key")
     extras = {name: Path(path) for name, path in inputs.items() if name not in ("package", "exports")}
     exports = Path(inputs["exports"]) if "exports" in inputs else None
+    sequence = ctx.runtime.get("package_sequence")
     out = publish_package(Path(inputs["package"]), ctx.work_dir / "package",
-                          load_private_key(signing_key) if signing_key else None, extras, exports)
+                          load_private_key(signing_key) if signing_key else None, extras, exports,
+                          sequence=None if sequence is None else int(sequence),
+                          expires_at=ctx.runtime.get("package_expires_at"))
     ctx.logger.info("installed %s and %s the manifest of %s%s", sorted(extras) or "nothing",
                     "signed" if signing_key else "did not sign (no signing key)", out,
                     "; exports beside it" if exports is not None else "")
