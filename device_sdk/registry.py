@@ -28,17 +28,18 @@ import http.client
 import json
 import logging
 import os
+import queue
+import re
 import shutil
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
+
+import httpx
 
 try:
     import fcntl
@@ -66,7 +67,8 @@ from device_sdk.trust import check_signature, signing_key
 log = logging.getLogger(__name__)
 LOCAL_STATE = ".elastify-local.json"  # written by pull into the installed copy, never in a registry
 CHUNK = 1 << 20
-ATTEMPTS = 3  # per file; each retry resumes where the last one stopped
+ATTEMPTS = 3  # per byte range; each retry resumes where the last one stopped
+CONNECT_RETRIES = 2  # httpx's own retries of a connection that could not be opened
 
 
 def default_cache() -> Path:
@@ -133,35 +135,34 @@ class DirectoryRegistry(Registry):
 
 
 class HTTPRegistry(Registry):
+    """A bucket over plain HTTP(S): GET each key below the base URL, with Range for byte ranges."""
+
     def __init__(self, base_url: str, timeout: float = 30.0):
         self.base = base_url.rstrip("/") + "/"
-        self.timeout = timeout
+        self.http = _http_client(timeout)
 
-    def _request(self, key: str, byte_range: tuple[int, int] | None = None):
-        request = urllib.request.Request(urllib.parse.urljoin(self.base, urllib.parse.quote(key)))
-        if byte_range is not None:
-            request.add_header("Range", f"bytes={byte_range[0]}-{byte_range[1] - 1}")
-        try:
-            return urllib.request.urlopen(request, timeout=self.timeout)
-        except urllib.error.HTTPError as err:
-            if err.code == 404:
-                raise FileNotFoundError(key) from None
-            raise
+    def _url(self, key: str) -> str:
+        return urllib.parse.urljoin(self.base, urllib.parse.quote(key))
 
     def read(self, key: str) -> bytes:
-        with self._request(key) as response:
-            return response.read()
+        try:
+            response = self.http.get(self._url(key))
+        except httpx.HTTPError as err:
+            raise ConnectionError(f"cannot reach the registry at {self.base}: {_why(err)}") from None
+        _check_status(response, key)
+        return response.content
 
     def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
-        with self._request(key, (start, end)) as response:
-            _copy_response(response, key, target, start, end, advanced)
+        _stream_range(self.http, self._url(key), {}, key, target, start, end, advanced)
 
 
 class APIRegistry(Registry):
     """The Elastify REST API: versions and aliases resolved by the server, files read over /v1 with Range.
 
     Keys keep the bucket layout (`packages/<name>/<version>/<file>`), so pull has one code
-    path for every registry; only resolution and transport differ.
+    path for every registry; only resolution and transport differ. The transport is the
+    ElastifyClient's (which follows the server's redirect to a presigned object-store URL without
+    the bearer token) until that client moves to httpx; resume, retries and stopping are pull's.
     """
 
     def __init__(self, client: ElastifyClient):
@@ -206,35 +207,85 @@ class APIRegistry(Registry):
             if err.status == 404:
                 raise FileNotFoundError(key) from None
             raise ConnectionError(f"{key}: {err}") from None
-        with response:
-            _copy_response(response, key, target, start, end, advanced)
+        with response, open(target, "r+b") as sink:
+            skip = 0 if response.status == 206 else start  # the server ignored Range: skip to our offset
+            sink.seek(start)
+            while start < end:
+                try:
+                    block = response.read(min(CHUNK, end - start + skip))
+                except http.client.IncompleteRead as short:
+                    block = short.partial
+                if not block:
+                    raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
+                dropped = min(skip, len(block))
+                block, skip = block[dropped:], skip - dropped
+                sink.write(block)
+                sink.flush()
+                start += len(block)
+                if block:
+                    advanced(start)
 
 
-def _copy_response(response, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
-    """Write bytes [start, end) of an HTTP response body into `target` at `start`."""
-    with open(target, "r+b") as sink:
-        if response.status != 206:  # the server ignored Range: skip to our offset in the full body
-            _discard(response, start)
-        sink.seek(start)
-        while start < end:
-            try:
-                block = response.read(min(CHUNK, end - start))
-            except http.client.IncompleteRead as short:
-                block = short.partial
-            if not block:
-                raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
-            sink.write(block)
-            sink.flush()
-            start += len(block)
-            advanced(start)
+def _http_client(timeout: float) -> httpx.Client:
+    """One connection pool per registry, shared by the download threads (httpx.Client is thread-safe).
+
+    The transport retries failed connects; a transfer cut mid-way is retried by the caller, from
+    the last byte written.
+    """
+    return httpx.Client(timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)), follow_redirects=True,
+                        transport=httpx.HTTPTransport(retries=CONNECT_RETRIES))
 
 
-def _discard(response, count: int) -> None:
-    while count > 0:
-        block = response.read(min(CHUNK, count))
-        if not block:
-            raise ConnectionError("connection closed while skipping to the requested range")
-        count -= len(block)
+def _check_status(response: httpx.Response, key: str) -> None:
+    if response.status_code == 404:
+        raise FileNotFoundError(key)
+    if response.status_code not in (200, 206):
+        raise ConnectionError(f"{key}: the registry answered {response.status_code} {response.reason_phrase}")
+
+
+def _stream_range(http: httpx.Client, url: str, headers: dict[str, str], key: str, target: Path, start: int,
+                  end: int, advanced: Callable[[int], None]) -> None:
+    """Write bytes [start, end) of `url` into `target` at `start`, calling `advanced` after each block."""
+    wanted = f"bytes={start}-{end - 1}"
+    try:
+        with http.stream("GET", url, headers={**headers, "Range": wanted}) as response:
+            _check_status(response, key)
+            skip = start  # a 200 is the whole body: skip to our offset
+            if response.status_code == 206:
+                given = response.headers.get("Content-Range", "")
+                if not given.startswith(f"bytes {start}-"):
+                    raise ConnectionError(f"{key}: asked for {wanted}, the registry sent {given or 'no Content-Range'}")
+                skip = 0
+            with open(target, "r+b") as sink:
+                sink.seek(start)
+                for block in response.iter_bytes(CHUNK):
+                    if skip:
+                        dropped = min(skip, len(block))
+                        block, skip = block[dropped:], skip - dropped
+                    block = block[: end - start]
+                    if not block:
+                        if start >= end:
+                            break
+                        continue
+                    sink.write(block)
+                    sink.flush()
+                    start += len(block)
+                    advanced(start)
+    except httpx.HTTPError as err:
+        raise ConnectionError(f"{key}: {_why(err)}") from None
+    if start < end:
+        raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
+
+
+def _why(err: BaseException) -> str:
+    """Why a transfer failed, in words ("Connection refused"): the OS's reason where httpx wraps one."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.strerror:
+            return seen.strerror
+        seen = seen.__cause__ or seen.__context__
+    text = str(err)
+    return re.sub(r"^\[Errno -?\d+\] ", "", text) or type(err).__name__
 
 
 # --------------------------------------------------------------------------- local copies
@@ -524,9 +575,23 @@ def _covers(state: dict | None, level: Level | None) -> bool:
     return held is None or (level is not None and level <= Level(held))
 
 
+class PullInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a pull: the download threads were told to stop, what arrived is kept for the next pull."""
+
+
+class _Stopped(Exception):
+    """Raised inside a download thread, at its next block, once the pull is stopping."""
+
+
 def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: Level | None, workers: int,
            on_progress: Callable[[int, int], None] | None = None) -> tuple[list[str], int]:
-    """Every needed (file, byte range) in parallel; returns the files the copy holds and the bytes needed."""
+    """Every needed (file, byte range) on `workers` threads; returns the files the copy holds and the bytes needed.
+
+    How far each range got is saved to the staging directory while it downloads (at most every
+    PROGRESS_SECONDS, always before returning or raising), so a pull killed at any point (kill -9
+    included) resumes from there. What was kept is not trusted: the finished copy is hashed whole
+    against the signed manifest before it is installed.
+    """
     files = held_files(manifest, level)
     jobs = []
     for entry in manifest.files:
@@ -541,48 +606,87 @@ def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, lev
             jobs += [(entry.path, start, end) for start, end in level_byte_ranges(manifest, level)]
         else:
             jobs.append((entry.path, 0, entry.size))
-    progress = _load_progress(staging)
-    pending = [job for job in jobs if progress.get(_job_key(job)) != job[2]]
+    progress = _Progress(staging, jobs)
+    pending = [job for job in jobs if progress.done(job) < job[2]]
     needed = sum(end - start for _, start, end in jobs)
-    report = None
+    stop = threading.Event()
+    report_lock = threading.Lock()
+
+    def advanced(job, position: int) -> None:
+        progress.advance(job, position)
+        if on_progress is not None:
+            with report_lock:
+                on_progress(progress.fetched(), needed)
+        if stop.is_set():
+            raise _Stopped
+
     if on_progress is not None:
-        lock = threading.Lock()
-
-        def report() -> None:
-            with lock:
-                on_progress(sum(int(progress.get(_job_key(j), j[1])) - j[1] for j in jobs), needed)
-
-        report()
+        on_progress(progress.fetched(), needed)
     try:
-        with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-            list(pool.map(lambda job: _fetch_range(source, prefix, staging, job, progress, report), pending))
-    finally:  # every worker has stopped: record how far each range got, for the next pull
-        _save_progress(staging, progress)
+        _run_threads(pending, lambda job: _fetch_range(source, prefix, staging, job, progress, advanced, stop),
+                     workers, stop)
+    except KeyboardInterrupt:
+        stop.set()
+        progress.save()
+        raise PullInterrupted(f"pull interrupted: {progress.fetched():,} of {needed:,} bytes kept in {staging}; "
+                              "pull again to resume") from None
+    finally:
+        progress.save()
     return files, needed
 
 
-def _fetch_range(source: Registry, prefix: str, staging: Path, job, progress: dict,
-                 report: Callable[[], None] | None = None):
-    """Fetch one byte range, resuming from what earlier attempts already wrote."""
-    path, start, end = job
-    key = _job_key(job)
+def _run_threads(jobs: list, run: Callable, workers: int, stop: threading.Event) -> None:
+    """run(job) for every job on up to `workers` daemon threads; the first error stops the others and is raised.
 
-    def advanced(done: int) -> None:
-        progress[key] = done
-        if report is not None:
-            report()
+    Daemon threads, waited on in short joins, so Ctrl-C reaches the caller at once, and a thread
+    still blocked on the network neither delays it nor holds the interpreter at exit.
+    """
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    for job in jobs:
+        todo.put(job)
+    errors: list[BaseException] = []
 
+    def work() -> None:
+        while not stop.is_set():
+            try:
+                job = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                run(job)
+            except _Stopped:
+                return
+            except BaseException as err:  # handed to the caller's thread, which raises it
+                errors.append(err)
+                stop.set()
+                return
+
+    threads = [threading.Thread(target=work, name=f"pull-{i}", daemon=True) for i in range(min(max(1, workers), len(jobs)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        while thread.is_alive():
+            thread.join(0.1)
+    if errors:
+        raise errors[0]
+
+
+def _fetch_range(source: Registry, prefix: str, staging: Path, job, progress: _Progress,
+                 advanced: Callable, stop: threading.Event):
+    """Fetch one byte range, resuming from what earlier attempts (and earlier pulls) already wrote."""
+    path, _, end = job
     for attempt in range(ATTEMPTS):
-        offset = max(start, int(progress.get(key, start)))
         try:
-            source.copy(f"{prefix}/{path}", staging / path, offset, end, advanced)
+            source.copy(f"{prefix}/{path}", staging / path, progress.done(job), end,
+                        lambda position: advanced(job, position))
             return job
         except (OSError, ConnectionError) as err:
             if isinstance(err, FileNotFoundError):
                 raise PackageError(f"the registry is missing {path}") from None
-            if attempt == ATTEMPTS - 1:
-                raise ConnectionError(f"{path}: download failed after {ATTEMPTS} attempts ({err}); pull again to resume") from err
-            time.sleep(0.2 * (attempt + 1))
+            if attempt == ATTEMPTS - 1 or stop.is_set():
+                raise ConnectionError(f"{path}: download failed after {attempt + 1} attempts ({err}); "
+                                      "pull again to resume") from err
+            stop.wait(0.2 * (attempt + 1))
     return job
 
 
@@ -591,15 +695,49 @@ def _job_key(job) -> str:
 
 
 PROGRESS = ".progress.json"
+PROGRESS_SECONDS = 0.5  # how often a running pull saves how far each range got
 
 
-def _load_progress(staging: Path) -> dict:
-    path = staging / PROGRESS
-    return json.loads(path.read_text()) if path.is_file() else {}
+class _Progress:
+    """How far each byte range got: read from an earlier pull's record, advanced by the threads, saved as it goes."""
 
+    def __init__(self, staging: Path, jobs: list):
+        self.path = staging / PROGRESS
+        for leftover in staging.glob(f".{PROGRESS}.*"):  # a temp file of a save that kill -9 cut short
+            leftover.unlink(missing_ok=True)
+        try:
+            recorded = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        except (OSError, ValueError):
+            recorded = {}  # unreadable: start the ranges over
+        self.jobs = jobs
+        self.position = {}
+        for job in jobs:  # only what lies inside a range we still want counts
+            kept = recorded.get(_job_key(job)) if isinstance(recorded, dict) else None
+            self.position[_job_key(job)] = kept if isinstance(kept, int) and job[1] <= kept <= job[2] else job[1]
+        self.lock = threading.Lock()
+        self.saved_at = time.monotonic()
 
-def _save_progress(staging: Path, progress: dict) -> None:
-    atomic_write_bytes(staging / PROGRESS, json.dumps(progress).encode())
+    def done(self, job) -> int:
+        return self.position[_job_key(job)]
+
+    def fetched(self) -> int:
+        return sum(self.position[_job_key(job)] - job[1] for job in self.jobs)
+
+    def advance(self, job, position: int) -> None:
+        self.position[_job_key(job)] = position  # the bytes up to here are already written to the file
+        if time.monotonic() - self.saved_at >= PROGRESS_SECONDS and self.lock.acquire(blocking=False):
+            try:
+                self._write()
+            finally:
+                self.lock.release()
+
+    def save(self) -> None:
+        with self.lock:
+            self._write()
+
+    def _write(self) -> None:
+        atomic_write_bytes(self.path, json.dumps(dict(self.position)).encode())
+        self.saved_at = time.monotonic()
 
 
 def _install(staging: Path, target: Path) -> None:
