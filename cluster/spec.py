@@ -5,6 +5,9 @@ registered stage whose `settings` is that stage's pydantic Settings model, so an
 an unknown setting or a bad value is an error at parse time, every one reported with its field
 (`stages.elastify.settings.align`), and the OpenAPI document shows every stage's settings.
 A plain `BuildSpec` (no registry) keeps settings as dicts; `cluster.dag.plan` checks them then.
+
+`preset` (quick | default | full) picks the stage set and a few settings (PRESETS); what the spec's
+own `stages` entry sets wins over the preset, field by field.
 """
 
 from __future__ import annotations
@@ -31,6 +34,23 @@ from pipeline.settings import DEFAULT_CALIBRATION, MAX_FILES, Levels
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,127}$"
 VERSION_PATTERN = r"^[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}$"
+
+
+Preset = Literal["quick", "default", "full"]
+
+# What each preset changes from the registry's defaults: per stage, whether it runs and settings that the
+# spec's own stage settings override. quick: profile → elastify → a short recovery on the calibration text
+# → evaluate → publish (no generated corpus, no latency or TLM); full: the default chain plus the LoRA-MoE
+# experts and the GGUF/transformers export. CLONE stays opt-in everywhere: it needs latency budgets.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "quick": {
+        **{name: {"enabled": False} for name in (
+            "corpus-generate", "corpus", "latency", "tlm-score", "label", "label-derive", "tlm-decision")},
+        "recover": {"settings": {"steps": 24, "eval_windows": 4}},
+    },
+    "default": {},
+    "full": {"experts": {"enabled": True}, "export": {"enabled": True}},
+}
 
 
 class SpecError(ValueError):
@@ -122,17 +142,35 @@ class BuildSpec(Strict):
     levels: Levels = Field(default_factory=lambda: [level.ratio for level in DEFAULT_LEVELS])
     stages: dict[str, StageSpec] = Field(default_factory=dict)
     publish: PublishSpec
+    preset: Preset = Field(default="default", description="the stage set to start from: quick (profile, "
+                           "elastify, a short recovery, evaluate), default (the ElastiLM chain), full (plus "
+                           "experts and export); `stages` entries override it")
     cache: bool = True
     # Where the stages that run a model compute (cluster.accelerator): "auto" gives each one GPU when the
     # Ray cluster has GPUs, else CPUs; "cuda" insists on a GPU; "cpu" never asks for one.
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
 
     def given_stages(self) -> dict[str, StageSpec]:
-        """The stages the spec names (enabled or not), by stage name."""
-        return self.stages.given() if isinstance(self.stages, StagesSpec) else dict(self.stages)
+        """The stages the spec names (enabled or not) and those its preset changes, by stage name."""
+        given = self.stages.given() if isinstance(self.stages, StagesSpec) else dict(self.stages)
+        return {**given, **{name: _with_preset(given.get(name), preset)
+                            for name, preset in PRESETS[self.preset].items()}}
 
     def content_hash(self) -> str:
         return hashlib.sha256(canonical_json(self.model_dump(mode="json"))).hexdigest()
+
+
+def _with_preset(own: StageSpec | None, preset: dict[str, Any]) -> StageSpec:
+    """A stage's spec entry over its preset: `enabled` if the spec set it, settings key by key."""
+    if own is None:
+        return StageSpec(enabled=preset.get("enabled", True), settings=dict(preset.get("settings", {})))
+    settings = own.settings
+    given = (settings.model_dump(include=settings.model_fields_set) if isinstance(settings, BaseModel)
+             else dict(settings or {}))
+    enabled = own.enabled if "enabled" in own.model_fields_set else preset.get("enabled", own.enabled)
+    # model_copy: `own` may be a registry's typed StageSpec; the merged settings are a dict that
+    # Stage.settings_for validates as it does a plain spec's.
+    return own.model_copy(update={"enabled": enabled, "settings": {**preset.get("settings", {}), **given}})
 
 
 def spec_model(registry) -> type[BuildSpec]:

@@ -100,6 +100,30 @@ def test_switching_off_elastilm_stages_falls_back_to_the_alternative_inputs():
     assert not {"report", "quality_plot"} & set({n.key: n for n in without_eval}["publish"].inputs)  # optional inputs dropped
 
 
+@pytest.mark.parametrize("registry", [None, default_registry()], ids=["plain", "typed"])
+def test_a_preset_expands_to_its_stage_set_and_the_specs_own_stage_entries_override_it(registry):
+    def keys(extra: dict) -> list[str]:
+        return [n.key for n in plan(parse_spec({**BASE, "levels": [0.5, 1.0], **extra}, registry), default_registry())]
+
+    assert keys({"preset": "quick"}) == ["profile", "elastify", "recover[0.5]", "recover-install", "evaluate", "publish"]
+    quick = {n.key: n for n in plan(parse_spec({**BASE, "preset": "quick",
+                                                "stages": {"recover": {"settings": {"lr": 0.01}}}}, registry),
+                                    default_registry())}
+    recover = next(node for key, node in quick.items() if key.startswith("recover["))
+    assert (recover.settings.steps, recover.settings.lr) == (24, 0.01)  # the preset's steps, the spec's lr
+    assert "recover" not in parse_spec({**BASE, "preset": "quick"}, registry).model_dump()["stages"]  # as submitted
+    steps = parse_spec({**BASE, "preset": "quick", "stages": {"recover": {"settings": {"steps": 3}}}}, registry)
+    assert next(n for n in plan(steps, default_registry()) if n.type == "recover").settings.steps == 3
+    with_latency = keys({"preset": "quick", "stages": {"latency": {"enabled": True}}})
+    assert "latency" in with_latency and "tlm-score" not in with_latency
+    assert keys({}) == keys({"preset": "default"}) and "experts" not in keys({})
+    full = keys({"preset": "full", "stages": {"experts": {"settings": {"steps": 2}}}})
+    assert {"experts", "export", "tlm-decision"} <= set(full)
+    assert "export" not in keys({"preset": "full", "stages": {"export": {"enabled": False}}})
+    with pytest.raises(SpecError, match="preset"):
+        parse_spec({**BASE, "preset": "fastest"}, registry)
+
+
 def test_builtin_dag_reports_every_bad_setting_and_missing_dependency():
     with pytest.raises(SpecError) as caught:
         plan(parse_spec({**BASE, "stages": {"profile": {"settings": {"windowz": 2}}, "elastify": {"enabled": False},
