@@ -243,13 +243,16 @@ class Manifest:
     # Both are signed. A manifest from before them reads as sequence 0, never expiring.
     sequence: int = 0
     expires_at: str | None = None
+    # Extra precisions, each a weights file of its own: {"int4": {"file", "quantised", "unquantised"}}; their
+    # byte ranges are byte_ranges["precisions"][<precision>] (precision_byte_ranges).
+    precisions: dict[str, Any] | None = None
     signature: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         # Left out at their defaults, so that a manifest signed before these fields existed still has the
         # signed bytes it was signed over.
-        for name, default in (("sequence", 0), ("expires_at", None)):
+        for name, default in (("sequence", 0), ("expires_at", None), ("precisions", None)):
             if data[name] == default:
                 del data[name]
         return data
@@ -297,6 +300,12 @@ class Manifest:
         if isinstance(self.sequence, bool) or not isinstance(self.sequence, int) or self.sequence < 0:
             raise PackageError(f"manifest sequence must be a non-negative integer, not {self.sequence!r}")
         self.expires()
+        for precision, entry in (self.precisions or {}).items():
+            if precision not in PRECISION_BLOCK_BYTES or not isinstance(entry, Mapping) or entry.get("file") != (
+                precision_file(precision)
+            ) or precision not in self.byte_ranges.get("precisions", {}):
+                raise PackageError(f"precisions.{precision}: expected one of {sorted(PRECISION_BLOCK_BYTES)} with its "
+                                   f"file {precision_file(precision)!r} and its byte ranges")
         self.architecture.validate()
         arch, el = self.architecture, self.elastic
         if len(el.attn_units) != arch.layers or len(el.mlp_units) != arch.layers:
@@ -559,11 +568,66 @@ def _row_elements(shape: list[int]) -> int:
     return count
 
 
-def level_byte_ranges(manifest: Manifest, level: Level | float | str) -> list[tuple[int, int]]:
-    """Merged, sorted byte ranges of the weights file that `level` (and every smaller level) needs."""
+# Extra precisions: llama.cpp's Q8_0 / Q4_0 blocks of 32 values (device_sdk.quant lays them out so that
+# every width is a prefix); bytes per block, fp16 scale included.
+PRECISION_BLOCK = 32
+PRECISION_BLOCK_BYTES = {"int8": 2 + PRECISION_BLOCK, "int4": 2 + PRECISION_BLOCK // 2}
+_DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
+
+
+def precision_file(precision: str) -> str:
+    return f"model/weights.{precision}.safetensors"
+
+
+def precision_byte_ranges(package_dir: Path, precision: str, elastic: Elastic, quantised: Iterable[str]) -> dict[str, Any]:
+    """`byte_ranges_for` of a precision's weights file: per tensor and level, the prefix that level needs.
+
+    A quantised tensor of row units (stored [rows, in]) is packed one row of blocks per row, so a
+    level's rows are its first rows; one of column units (stored transposed, [in, out]) is packed
+    one block-row per 32 units, so a level needs its first ceil(units / 32) block-rows (the last
+    one whole: its scales are the full model's). Unquantised tensors are cut as in the main file.
+    """
+    quantised = set(quantised)
+    path = Path(package_dir) / precision_file(precision)
+    data_start, header = safetensors_layout(path)
+    tensors: dict[str, dict[str, list[int]]] = {}
+    for name, info in header.items():
+        begin, end = (data_start + offset for offset in info["data_offsets"])
+        spec = elastic.tensors.get(name)
+        row_bytes = _DTYPE_BYTES[info["dtype"]] * _row_elements(info["shape"])
+        per_level = {}
+        for level in elastic.levels:
+            if spec is None:
+                per_level[level.name] = [begin, end]
+                continue
+            rows = (level.attn_units if spec.unit == "attn" else level.mlp_units)[spec.layer] * spec.rows_per_unit
+            if name in quantised and spec.transposed:
+                rows = -(-rows // PRECISION_BLOCK)
+            per_level[level.name] = [begin, begin + rows * row_bytes]
+        tensors[name] = per_level
+    ranges = {"file": precision_file(precision), "header": [0, data_start], "tensors": tensors}
+    ranges["sha256"] = range_digests(path, ranges)
+    return ranges
+
+
+def weights_ranges(manifest: Manifest, precision: str | None = None) -> Mapping[str, Any]:
+    """The byte ranges of the main weights file (None) or of a precision's file."""
+    if precision is None:
+        return manifest.byte_ranges
+    if precision not in (manifest.precisions or {}):
+        raise PackageError(f"{manifest.name} {manifest.version} carries no {precision} weights; it has "
+                           f"{sorted(manifest.precisions or {}) or 'only its stored precision'}")
+    return manifest.byte_ranges["precisions"][precision]
+
+
+def level_byte_ranges(manifest: Manifest, level: Level | float | str,
+                      precision: str | None = None) -> list[tuple[int, int]]:
+    """Merged, sorted byte ranges of the weights file (or a precision's file) that `level` (and every
+    smaller level) needs."""
     name = Level(level).name
-    spans = [tuple(manifest.byte_ranges["header"])]
-    spans += [tuple(per_level[name]) for per_level in manifest.byte_ranges["tensors"].values()]
+    ranges = weights_ranges(manifest, precision)
+    spans = [tuple(ranges["header"])]
+    spans += [tuple(per_level[name]) for per_level in ranges["tensors"].values()]
     merged: list[list[int]] = []
     for start, end in sorted(spans):
         if end <= start:

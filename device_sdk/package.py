@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from device_sdk.format import (
@@ -35,9 +36,14 @@ from device_sdk.format import (
     byte_ranges_for,
     canonical_json,
     file_entries,
+    precision_byte_ranges,
+    precision_file,
+    read_manifest,
+    rewrite_manifest,
     safetensors_layout,
     staged_directory,
 )
+from device_sdk.quant import QUANTIZED_FORMATS, quantize
 
 
 def read_tensor_prefix(package_dir: Path, manifest: Manifest, name: str, level: Level | float | str) -> torch.Tensor:
@@ -154,6 +160,41 @@ def write_package(
         )
         manifest.validate()
         (stage / MANIFEST).write_bytes(canonical_json(manifest.to_dict()))
+    return manifest
+
+
+def add_precision(package_dir: Path, precision: str) -> Manifest:
+    """Write the package's weights again at `precision` ("int8" Q8_0 or "int4" Q4_0 blocks) as a file of their
+    own, list it (with its byte ranges and which tensors stay unquantised) in the manifest, and rewrite the
+    manifest's file table. Sign after.
+
+    Every 2-D elastic tensor is quantised in device_sdk.quant's prefix layout, so each level is still a
+    byte-range prefix of every tensor; the rest (embeddings, norms, biases) is copied as stored, so the
+    file alone holds a whole model.
+    """
+    if precision not in QUANTIZED_FORMATS:
+        raise PackageError(f"precision {precision!r} is not one of {list(QUANTIZED_FORMATS)}")
+    package_dir = Path(package_dir)
+    manifest = read_manifest(package_dir)
+    tensors, quantised = {}, []
+    with safe_open(package_dir / WEIGHTS, framework="pt") as stored:
+        for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            tensor, spec = stored.get_tensor(name), manifest.elastic.tensors.get(name)
+            if spec is not None and tensor.dim() == 2:
+                tensor = quantize(tensor, "in" if spec.transposed else "out", precision)
+                quantised.append(name)
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, str(package_dir / precision_file(precision)), metadata={"format": "pt", "precision": precision})
+    quantised.sort()
+    manifest.precisions = {**(manifest.precisions or {}), precision: {
+        "file": precision_file(precision), "quantised": quantised,
+        "unquantised": sorted(set(tensors) - set(quantised)),
+    }}
+    manifest.byte_ranges = {**manifest.byte_ranges, "precisions": {
+        **manifest.byte_ranges.get("precisions", {}),
+        precision: precision_byte_ranges(package_dir, precision, manifest.elastic, quantised),
+    }}
+    rewrite_manifest(package_dir, manifest)
     return manifest
 
 

@@ -61,6 +61,7 @@ from device_sdk.format import (
     parse_manifest,
     read_manifest_bytes,
     verify_signature,
+    weights_ranges,
 )
 from device_sdk.trust import check_signature, signing_key
 
@@ -326,22 +327,25 @@ def verify_local(package_dir: Path, public_key=None, *, full: bool = True, allow
     if not full:
         return manifest
     state = read_local_state(package_dir)
-    held = None
-    if state is not None and state.get("max_level") is not None:
-        held = manifest.elastic.level(state["max_level"]).level
-        if held == manifest.elastic.levels[-1].level:
-            held = None
-    files = held_files(manifest, held)
+    held, precision = None, None
+    if state is not None:
+        precision = state.get("precision")
+        if state.get("max_level") is not None:
+            held = manifest.elastic.level(state["max_level"]).level
+            if held == manifest.elastic.levels[-1].level:
+                held = None
+    files = held_files(manifest, held, precision)
+    weights = WEIGHTS if precision is None else weights_ranges(manifest, precision)["file"]
     memo_key = (str(package_dir.resolve()), hashlib.sha256(raw_manifest).hexdigest(),
-                None if held is None else held.name)
+                None if held is None else held.name, precision)
     before = _file_stats(package_dir, files)
     if before is not None and _VERIFIED.get(memo_key) == before:
         return manifest
     if held is None:
         check_files(package_dir, manifest, files)
     else:
-        check_files(package_dir, manifest, [f for f in files if f != WEIGHTS])
-        _verify_ranges(package_dir / WEIGHTS, manifest, held.name)
+        check_files(package_dir, manifest, [f for f in files if f != weights])
+        _verify_ranges(package_dir / weights, manifest, held.name, precision)
     if before is not None and _file_stats(package_dir, files) == before and all(
         time.time() - stat[-1] / 1e9 > RACY_SECONDS for stat in before
     ):
@@ -362,26 +366,29 @@ def _file_stats(package_dir: Path, files: list[str]) -> tuple | None:
     return tuple((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
 
 
-def held_files(manifest: Manifest, level: Level | None) -> list[str]:
-    """The files a copy holding levels up to `level` (None: all) has: all but larger levels' adapters."""
-    skipped = set()
+def held_files(manifest: Manifest, level: Level | None, precision: str | None = None) -> list[str]:
+    """The files a copy holding levels up to `level` (None: all) at `precision` (None: the stored one) has:
+    all but larger levels' adapters, and only the one weights file of its precision."""
+    skipped = {spec["file"] for spec in (manifest.precisions or {}).values()} | {WEIGHTS}
+    skipped.discard(weights_ranges(manifest, precision)["file"] if precision is not None else WEIGHTS)
     if level is not None:
-        skipped = {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.level > level}
+        skipped |= {lv.adapter for lv in manifest.elastic.levels if lv.adapter and lv.level > level}
     return [entry.path for entry in manifest.files if entry.path not in skipped]
 
 
-def _verify_ranges(path: Path, manifest: Manifest, level: str) -> None:
-    digests = manifest.byte_ranges.get("sha256")
+def _verify_ranges(path: Path, manifest: Manifest, level: str, precision: str | None = None) -> None:
+    ranges = weights_ranges(manifest, precision)
+    digests, shown = ranges.get("sha256"), ranges.get("file", WEIGHTS)
     if digests is None:
         raise PackageError("this package has no byte-range digests, so a partial pull cannot be verified")
     with open(path, "rb") as handle:
-        if hashlib.sha256(handle.read(manifest.byte_ranges["header"][1])).hexdigest() != digests["header"]:
-            raise PackageError(f"{WEIGHTS}: the safetensors header does not match its signed digest")
-        for name, per_level in manifest.byte_ranges["tensors"].items():
+        if hashlib.sha256(handle.read(ranges["header"][1])).hexdigest() != digests["header"]:
+            raise PackageError(f"{shown}: the safetensors header does not match its signed digest")
+        for name, per_level in ranges["tensors"].items():
             start, end = per_level[level]
             handle.seek(start)
             if hashlib.sha256(handle.read(end - start)).hexdigest() != digests["tensors"][name][level]:
-                raise PackageError(f"{WEIGHTS}: tensor {name} (level {level}) does not match its signed digest")
+                raise PackageError(f"{shown}: tensor {name} (level {level}) does not match its signed digest")
 
 
 # --------------------------------------------------------------------------- pull
@@ -484,6 +491,7 @@ def pull(
     token: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     allow_downgrade: bool = False,
+    precision: str | None = None,
 ) -> Path:
     """Download, verify and install a package; return its local directory.
 
@@ -501,6 +509,8 @@ def pull(
     Rollback and freeze: an expired manifest is refused, and so is one whose signed `sequence` is
     lower than the highest this device installed for `name` (recorded in the cache root), unless
     `allow_downgrade`; an alias is only a pointer, so what it names is checked the same way.
+    `precision` ("int8", "int4": one the manifest lists under `precisions`) fetches that weights
+    file instead of the stored one (with `max_level`, only that level's ranges of it).
     """
     for label, value in (("name", name), ("version", version_or_alias)):
         if not SAFE_NAME.fullmatch(value) or value in (".", ".."):
@@ -516,11 +526,13 @@ def pull(
     level = None if max_level is None else manifest.elastic.level(max_level).level
     if level is not None and level == manifest.elastic.levels[-1].level:
         level = None  # the largest level needs every byte: a full pull
+    if precision is not None:
+        weights_ranges(manifest, precision)  # refuses a precision the package does not carry
 
     root = Path(cache_dir) if cache_dir is not None else default_cache()
     check_fresh(manifest, root, requested=version_or_alias, allow_downgrade=allow_downgrade)
     target = root / name / version
-    if _covers(read_local_state(target), level):
+    if _covers(read_local_state(target), level, precision):
         try:
             if (target / MANIFEST).read_bytes() != raw_manifest:
                 raise PackageError("its manifest is not the registry's")
@@ -532,13 +544,14 @@ def pull(
     staging = root / name / f".staging-{version}"
     staging.mkdir(parents=True, exist_ok=True)
     try:
-        files, needed_bytes = _fetch(source, prefix, manifest, staging, level, workers, on_progress)
+        files, needed_bytes = _fetch(source, prefix, manifest, staging, level, workers, on_progress, precision)
         atomic_write_bytes(staging / MANIFEST, raw_manifest)
         state = {
             "name": name,
             "version": version,
             "registry": registry.base_url + "/v1" if isinstance(registry, ElastifyClient) else str(registry),
             "max_level": None if level is None else level.name,
+            "precision": precision,
             "files": files,
             "bytes": needed_bytes,
             "installed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),  # noqa: UP017 (SDK runs on 3.10)
@@ -568,8 +581,8 @@ def _trusted_manifest(raw: bytes, name: str, version: str, public_key) -> Manife
     return manifest
 
 
-def _covers(state: dict | None, level: Level | None) -> bool:
-    if state is None:
+def _covers(state: dict | None, level: Level | None, precision: str | None = None) -> bool:
+    if state is None or state.get("precision") != precision:
         return False
     held = state.get("max_level")
     return held is None or (level is not None and level <= Level(held))
@@ -584,7 +597,8 @@ class _Stopped(Exception):
 
 
 def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, level: Level | None, workers: int,
-           on_progress: Callable[[int, int], None] | None = None) -> tuple[list[str], int]:
+           on_progress: Callable[[int, int], None] | None = None,
+           precision: str | None = None) -> tuple[list[str], int]:
     """Every needed (file, byte range) on `workers` threads; returns the files the copy holds and the bytes needed.
 
     How far each range got is saved to the staging directory while it downloads (at most every
@@ -592,7 +606,8 @@ def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, lev
     included) resumes from there. What was kept is not trusted: the finished copy is hashed whole
     against the signed manifest before it is installed.
     """
-    files = held_files(manifest, level)
+    files = held_files(manifest, level, precision)
+    weights = WEIGHTS if precision is None else weights_ranges(manifest, precision)["file"]
     jobs = []
     for entry in manifest.files:
         if entry.path not in files:
@@ -602,8 +617,8 @@ def _fetch(source: Registry, prefix: str, manifest: Manifest, staging: Path, lev
         if not path.exists() or path.stat().st_size != entry.size:
             with open(path, "ab") as handle:  # full size up front: ranges land at their offsets
                 handle.truncate(entry.size)
-        if entry.path == WEIGHTS and level is not None:
-            jobs += [(entry.path, start, end) for start, end in level_byte_ranges(manifest, level)]
+        if entry.path == weights and level is not None:
+            jobs += [(entry.path, start, end) for start, end in level_byte_ranges(manifest, level, precision)]
         else:
             jobs.append((entry.path, 0, entry.size))
     progress = _Progress(staging, jobs)

@@ -77,7 +77,7 @@ class SlowRangeHandler(SimpleHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def slow_registry(tmp_path_factory):
     root = tmp_path_factory.mktemp("slow-registry")
-    publish(random_package("llama_mha", root.parent / "slow-built", KEY), root)
+    publish(random_package("llama_mha", tmp_path_factory.mktemp("slow-built") / "package", KEY), root)
     server = ThreadingHTTPServer(("127.0.0.1", 0), partial(SlowRangeHandler, directory=str(root)))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
