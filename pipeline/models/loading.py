@@ -88,8 +88,10 @@ def gguf_architecture(path: Path) -> str:
         reader = GGUFReader(str(path))
         field = reader.fields["general.architecture"]
         family = bytes(field.parts[field.data[0]]).decode()
-    except (KeyError, ValueError, OSError) as err:
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {err}") from None
+    except (LookupError, ValueError, OSError, OverflowError, MemoryError) as err:
+        # gguf's reader trusts the header's counts and lengths: a truncated file or an absurd count
+        # surfaces as numpy's IndexError/ValueError, a short read as OSError. All are permanent.
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {type(err).__name__}: {err}") from None
     if family not in GGUF_FAMILIES:
         raise ModelLoadError(f"unsupported GGUF architecture {family!r}; {supported_message()}")
     return GGUF_FAMILIES[family]
