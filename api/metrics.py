@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from sqlalchemy import case, func, select
 
+from cluster.ledger import compute_by_stage_type
 from cluster.models import Attempt, Build, Stage
 from cluster.states import Status
 
@@ -36,10 +37,7 @@ class JobStoreCollector(Collector):
                 select(Stage.type, func.count(), func.sum(Attempt.wall_seconds), *columns).select_from(Attempt)
                 .join(Stage, Stage.id == Attempt.stage_id).where(finished).group_by(Stage.type)
             ).all()
-            compute = session.execute(
-                select(Stage.type, func.sum(Attempt.gpu_seconds), func.sum(Attempt.cpu_seconds)).select_from(Attempt)
-                .join(Stage, Stage.id == Attempt.stage_id).group_by(Stage.type)
-            ).all()
+            compute = compute_by_stage_type(session)
             expiries = session.scalar(select(func.count()).select_from(Attempt).where(Attempt.exit == "lease_expired"))
 
         by_state = GaugeMetricFamily("elastify_builds", "Builds by state", labels=["state"])
@@ -55,13 +53,13 @@ class JobStoreCollector(Collector):
         yield histogram
         gpu_seconds = CounterMetricFamily("elastify_gpu_seconds", "GPU-seconds of all attempts (failed ones too)",
                                           labels=["stage_type"])
-        # CPU time the stage processes used (user + system), as `usage` and the dashboard's CPU-hours report it:
-        # a CPU-only deployment's GPU series stays at zero.
+        # CPU time the stage processes used (user + system), as `usage` and the dashboard's CPU-hours report it,
+        # running attempts included (so rate() shows load as it happens): a CPU-only deployment's GPU series stays 0.
         cpu_seconds = CounterMetricFamily("elastify_cpu_seconds", "CPU-seconds of all attempts (failed ones too)",
                                           labels=["stage_type"])
-        for stage_type, gpu, cpu in compute:
-            gpu_seconds.add_metric([stage_type], float(gpu or 0.0))
-            cpu_seconds.add_metric([stage_type], float(cpu or 0.0))
+        for stage_type, charged in sorted(compute.items()):
+            gpu_seconds.add_metric([stage_type], charged["gpu_seconds"])
+            cpu_seconds.add_metric([stage_type], charged["cpu_seconds"])
         yield gpu_seconds
         yield cpu_seconds
         yield CounterMetricFamily("elastify_lease_expiries", "Stage leases that expired (a worker or scheduler died)",

@@ -1,10 +1,11 @@
-"""The compute ledger: wall, CPU and GPU seconds of every attempt (failed ones too), rolled up."""
+"""The compute ledger: wall, CPU and GPU seconds of every attempt (failed ones too), rolled up, and the
+live charge of attempts still running (from the usage their progress events report)."""
 
 from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from cluster.models import Attempt, Build, Stage
+from cluster.models import Attempt, Build, Event, Stage
 
 GROUPS = {
     "build": Stage.build_id,
@@ -66,3 +67,37 @@ def usage_rows(session, group_by: list[str], *, tenant: str | None = None, build
         rows.append({**{g: str(k) for g, k in zip(group_by, keys, strict=True)}, "attempts": n,
                      "wall_seconds": wall or 0.0, "cpu_seconds": cpu or 0.0, "gpu_seconds": gpu or 0.0})
     return rows
+
+
+# Attempts whose row holds no measured charge (yet): running ones, and those the worker never reported back
+# from (its process died, or its scheduler did). Their progress events carry what they had used so far.
+UNMEASURED = Attempt.ended_at.is_(None) | Attempt.exit.in_(("crashed", "lease_expired"))
+
+
+def compute_by_stage_type(session) -> dict[str, dict[str, float]]:
+    """{stage type: {cpu_seconds, gpu_seconds}} of every attempt, running ones included, as monotonic counters.
+
+    A running attempt is charged the CPU time and the wall time × GPUs granted that its last progress event
+    reported (workers.runner measures both on the clocks its final result uses, so the final charge is never
+    less); an attempt that ended unmeasured keeps the larger of its row and its last report. Scraped often, so
+    the counters advance while a stage runs, instead of jumping when it ends."""
+    totals: dict[str, dict[str, float]] = {}
+    measured = session.execute(
+        select(Stage.type, func.sum(Attempt.cpu_seconds), func.sum(Attempt.gpu_seconds)).select_from(Attempt)
+        .join(Stage, Stage.id == Attempt.stage_id).where(~UNMEASURED).group_by(Stage.type)
+    )
+    for stage_type, cpu, gpu in measured:
+        totals[stage_type] = {"cpu_seconds": float(cpu or 0.0), "gpu_seconds": float(gpu or 0.0)}
+    reported = (
+        select(Stage.type, Attempt.cpu_seconds, Attempt.gpu_seconds, Attempt.num_gpus,
+               func.max(Event.data["cpu_seconds"].as_float()), func.max(Event.data["wall_seconds"].as_float()))
+        .select_from(Attempt).join(Stage, Stage.id == Attempt.stage_id)
+        .outerjoin(Event, (Event.stage_id == Attempt.stage_id) & (Event.attempt == Attempt.number)
+                   & (Event.kind == "progress"))
+        .where(UNMEASURED).group_by(Attempt.id, Stage.type)
+    )
+    for stage_type, cpu, gpu, num_gpus, cpu_so_far, wall_so_far in session.execute(reported):
+        row = totals.setdefault(stage_type, {"cpu_seconds": 0.0, "gpu_seconds": 0.0})
+        row["cpu_seconds"] += max(cpu or 0.0, cpu_so_far or 0.0)
+        row["gpu_seconds"] += max(gpu or 0.0, (wall_so_far or 0.0) * (num_gpus or 0.0))
+    return totals

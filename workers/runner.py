@@ -110,22 +110,47 @@ def usable_device(device: str, emit: Callable[[dict], None]) -> str:
     return "cpu"
 
 
-def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None]) -> StageContext:
+class _WorkerContext(StageContext):
+    """A StageContext whose progress goes to the build's events once, as progress events: the plain
+    context also logs each report as a line, which the event log would then hold twice."""
+
+    def report(self, task: str, done: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(task, done, total)
+
+
+@dataclass
+class AttemptUsage:
+    """The attempt's compute so far, measured as the final result measures it (same clocks, same
+    starting points), so a reading taken while it runs never exceeds the final charge."""
+
+    started_wall: float = field(default_factory=time.monotonic)
+    started_cpu: float = field(default_factory=time.process_time)
+
+    def now(self) -> dict[str, float]:
+        return {"wall_seconds": time.monotonic() - self.started_wall,
+                "cpu_seconds": time.process_time() - self.started_cpu}
+
+
+def _context(task: StageTask, work_dir: Path, emit: Callable[[dict], None],
+             usage: AttemptUsage | None = None) -> StageContext:
     logger = logging.getLogger(f"elastify.stage.{task.build_id}.{task.stage_key}")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     logger.handlers = [_EventLogHandler(emit)]
+    usage = usage or AttemptUsage()
     last: dict[str, float] = {}
 
     def on_progress(name: str, done: int, total: int) -> None:
         now = time.monotonic()
         if done >= total or now - last.get(name, 0.0) >= PROGRESS_EVERY_S:
             last[name] = now
-            emit({"kind": "progress", "message": name, "data": {"done": done, "total": total}})
+            # The usage so far rides along: api.metrics charges running attempts from it, so the CPU- and
+            # GPU-seconds counters advance while a stage runs instead of jumping when it ends.
+            emit({"kind": "progress", "message": name, "data": {"done": done, "total": total, **usage.now()}})
 
-    # The logger already receives every progress line from StageContext; don't repeat them often.
-    return StageContext(work_dir=work_dir, on_progress=on_progress, logger=logger, log_every_s=30.0,
-                        runtime=dict(task.runtime), device=usable_device(task.device, emit))
+    return _WorkerContext(work_dir=work_dir, on_progress=on_progress, logger=logger,
+                          runtime=dict(task.runtime), device=usable_device(task.device, emit))
 
 
 def _fetch(task: StageTask, store, scratch: Path) -> dict[str, Path]:
@@ -159,7 +184,7 @@ def _check_setting_paths(task: StageTask) -> None:
 def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict[str, Any]:
     """Run one attempt; return {"ok", "outputs" | "error"+"retryable", "wall_seconds", "cpu_seconds"}."""
     emit = emit or (lambda event: None)
-    started_wall, started_cpu = time.monotonic(), time.process_time()
+    usage = AttemptUsage()
     result: dict[str, Any]
     try:
         store = task.store.open()
@@ -169,7 +194,7 @@ def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict
             inputs = _fetch(task, store, scratch)
             local = {value: str(store.get_artifact(ref, scratch / "uploads" / ref.digest))
                      for value, ref in task.uploads.items()}
-            ctx = _context(task, scratch / "work", emit)
+            ctx = _context(task, scratch / "work", emit, usage)
             ctx.work_dir.mkdir()
             outputs = task.run(inputs, task.settings.with_paths(local), ctx)
             missing = set(task.outputs) - set(outputs or {})
@@ -183,6 +208,5 @@ def execute(task: StageTask, emit: Callable[[dict], None] | None = None) -> dict
         result = {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": False}
     except Exception as err:  # anything else may be transient (OOM, a flaky filesystem): retry
         result = {"ok": False, "error": f"{type(err).__name__}: {err}", "retryable": True}
-    result["wall_seconds"] = time.monotonic() - started_wall
-    result["cpu_seconds"] = time.process_time() - started_cpu
+    result.update(usage.now())
     return result

@@ -1,7 +1,8 @@
 """The monitoring files in infra/ against what `/metrics` serves: the Grafana dashboard's every PromQL expression
 (parsed by a real PromQL parser, each value of its variables substituted) names only metrics, labels and label
 values that the app serves, and charts every metric it serves; the Prometheus scrape config and the Kubernetes
-ServiceMonitor reach the API's /metrics. And the CPU-seconds counter beside the GPU-seconds one."""
+ServiceMonitor reach the API's /metrics. And the CPU-seconds counter beside the GPU-seconds one, advancing while
+attempts run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import promql_parser
 import yaml
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import select
 
+from cluster.models import Attempt, Event, Stage, utcnow
 from tests.support.api import finish_build, spec
 
 INFRA = Path(__file__).resolve().parents[3] / "infra"
@@ -197,3 +200,41 @@ def test_every_ray_container_of_the_kuberay_manifest_runs_with_ray_auth_disabled
         for container in group["template"]["spec"]["containers"]:
             env = {item["name"]: item.get("value") for item in container.get("env", [])}
             assert env.get("RAY_AUTH_MODE") == "disabled", container["name"]
+
+
+def test_cpu_and_gpu_seconds_advance_while_an_attempt_runs_and_never_go_back_when_it_ends(api):
+    client = TestClient(api.app)
+    build_id = client.post("/v1/builds", json=spec(version="1"), headers=api.token("acme")).json()["id"]
+
+    def counters() -> tuple[float, float]:
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        return tuple(sum(s.value for s in families[name].samples
+                         if s.name.endswith("_total") and s.labels["stage_type"] == "first")
+                     for name in ("elastify_cpu_seconds", "elastify_gpu_seconds"))
+
+    with api.sessions.begin() as session:
+        stage = session.scalar(select(Stage).where(Stage.build_id == build_id, Stage.type == "first"))
+        stage_id = stage.id
+        running = Attempt(stage_id=stage_id, number=1, worker="test", status="running", num_gpus=2.0)
+        session.add(running)
+    assert counters() == (0.0, 0.0)
+
+    def report(attempt: int, cpu: float, wall: float) -> None:  # a progress event as workers.runner emits it
+        with api.sessions.begin() as session:
+            session.add(Event(build_id=build_id, stage_id=stage_id, attempt=attempt, kind="progress", message="layers",
+                              data={"done": 1, "total": 4, "cpu_seconds": cpu, "wall_seconds": wall}))
+
+    report(1, cpu=1.5, wall=2.0)
+    assert counters() == (1.5, 4.0)
+    report(1, cpu=3.0, wall=4.0)
+    assert counters() == (3.0, 8.0)
+
+    with api.sessions.begin() as session:  # the final charge lands: measured on the same clocks, never less
+        attempt = session.get(Attempt, running.id)
+        attempt.status, attempt.exit, attempt.ended_at = "failed", "error", utcnow()
+        attempt.cpu_seconds, attempt.wall_seconds, attempt.gpu_seconds = 3.25, 4.5, 9.0
+        # The worker process died in the next attempt: its row has no CPU time, its reports still count.
+        session.add(Attempt(stage_id=stage_id, number=2, worker="test", status="failed", exit="crashed",
+                            num_gpus=2.0, ended_at=utcnow()))
+    report(2, cpu=1.0, wall=1.0)
+    assert counters() == (4.25, 11.0)

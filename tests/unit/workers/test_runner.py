@@ -80,3 +80,25 @@ def test_a_task_computes_on_the_threads_it_was_granted(monkeypatch):
         assert use_granted_cpus(None) is None and torch.get_num_threads() == 1  # nothing granted: unchanged
     finally:
         torch.set_num_threads(before)
+
+
+def _reports_progress(inputs, settings: testing.TinySettings, ctx: StageContext):
+    ctx.logger.info("loading")
+    for _ in ctx.track(range(3), "layers"):
+        sum(i * i for i in range(20_000))  # some CPU time for the usage readings to measure
+    out = ctx.work_dir / "out"
+    out.write_text("done")
+    return {"out": out}
+
+
+def test_each_progress_report_is_one_event_carrying_the_usage_so_far_never_above_the_final_charge(tmp_path):
+    events = []
+    result = execute(_task(tmp_path, _reports_progress), events.append)
+    assert result["ok"]
+    assert [e["message"] for e in events if e["kind"] == "log"] == ["loading"]  # no "layers: 3/3" line beside them
+    progress = [e["data"] for e in events if e["kind"] == "progress"]
+    assert [(p["done"], p["total"]) for p in progress][-1] == (3, 3) and progress[0]["done"] == 0
+    cpu = [p["cpu_seconds"] for p in progress]
+    wall = [p["wall_seconds"] for p in progress]
+    assert cpu == sorted(cpu) and wall == sorted(wall) and cpu[-1] > 0
+    assert cpu[-1] <= result["cpu_seconds"] and wall[-1] <= result["wall_seconds"]
