@@ -236,6 +236,7 @@ def delete_upload(sessions: sessionmaker[Session], store, tenant: str, digest: s
     """Forget an upload and delete its content (KeyError if the tenant has no such upload). A queued build
     that names it then fails at dispatch, naming the missing upload."""
     with sessions.begin() as session:
+        lock_for_write(session)  # SQLite ignores FOR UPDATE: two deletes would both read the row
         row = session.get(Upload, (tenant, digest), with_for_update=True)
         if row is None:
             raise KeyError(f"no upload {digest}")
@@ -306,6 +307,7 @@ def _owned_build(session: Session, build_id: str, tenant: str | None, lock: bool
 def cancel_build(sessions: sessionmaker[Session], build_id: str, tenant: str | None = None) -> str:
     """Request cancellation: queued stages stop now; the scheduler cancels running Ray tasks."""
     with sessions.begin() as session:
+        lock_for_write(session)  # SQLite ignores FOR UPDATE: concurrent cancels would each act on one read
         build = _owned_build(session, build_id, tenant, lock=True)
         if Status(build.status) in TERMINAL:
             return build.status
@@ -584,6 +586,7 @@ def move_alias(sessions: sessionmaker[Session], store, name: str, alias: str, ve
                tenant: str | None) -> dict:
     """Point `alias` of a package at one of its versions: the row, then the store's alias object."""
     with sessions.begin() as session:
+        lock_for_write(session)  # SQLite ignores FOR UPDATE: two moves of a new alias would both insert it
         package = session.scalar(
             select(Package).join(Build, Build.id == Package.build_id)
             .where(Package.name == name, Package.version == version,
