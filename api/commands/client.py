@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from api.progress import console, fail, progress_bars
@@ -39,6 +40,7 @@ aliases_app = typer.Typer(no_args_is_help=True, help="Move package aliases.")
 sources_app = typer.Typer(no_args_is_help=True, help="Upload models and data that builds name as upload:<digest>.")
 
 TERMINAL = ("succeeded", "failed", "cancelled")
+MAX_PIPED_WIDTH = 10_000  # characters: a piped table is as wide as its content, up to this
 
 
 @contextlib.contextmanager
@@ -70,7 +72,12 @@ def _print_table(title: str, columns: list[str], rows: list[list[str]], numeric:
         table.add_column(column, justify="right" if column in numeric else "left")
     for row in rows:
         table.add_row(*row)
-    out.print(table)
+    if out.is_terminal:
+        out.print(table)
+        return
+    # Piped: rich would squeeze the table into 80 columns and cut ids; print it as wide as its content.
+    width = Measurement.get(out, out.options.update(width=MAX_PIPED_WIDTH), table).maximum
+    Console(highlight=False, width=max(width, 1)).print(table)
 
 
 # --------------------------------------------------------------------------- builds
@@ -284,27 +291,40 @@ def packages_pull(
     name: str,
     version: Annotated[str, typer.Argument(help="a version or an alias such as latest")] = "latest",
     public_key: Annotated[str | None, typer.Option(envvar="ELASTIFY_PUBLIC_KEY",
-                                                   help="the publisher's pinned base64 Ed25519 key; "
-                                                        "without it, the server's key is fetched and shown")] = None,
+                                                   help="the publisher's base64 Ed25519 key; default: "
+                                                        "the key pinned for NAME (elastify-device trust)")] = None,
+    trust_server_key: Annotated[bool, typer.Option(
+        "--trust-server-key", help="verify against the key this server serves and pin it for NAME "
+                                   "(trust on first use: only for a server you trust)")] = False,
     max_level: Annotated[str | None, typer.Option(help="fetch only what levels up to this one need")] = None,
     cache_dir: Annotated[Path | None, typer.Option(help="default ~/.cache/elastify/packages")] = None,
     server: Server = "",
     token: Token = None,
 ) -> None:
-    """Download a package through the API, verify every byte and the signature, and install it."""
+    """Download a package through the API, verify every byte and the signature, and install it.
+
+    The signature is checked against, in order: --public-key, the key pinned for NAME, or, with
+    --trust-server-key only, the server's own key (pinned once the package verifies). Nothing else."""
+    store = TrustStore()
+    try:
+        pinned = store.pinned(name)
+    except PackageError as err:
+        fail(str(err))
+    if public_key is None and pinned is None and not trust_server_key:
+        fail(f"no key to verify {name!r} with: pass --public-key KEY, pin one with "
+             f"`elastify-device trust add {name} KEY`, or trust this server's key with --trust-server-key")
     with connected(server, token) as client:
-        try:
-            pinned = TrustStore().pinned(name)  # a pinned key is pull's default
-        except PackageError as err:
-            fail(str(err))
+        server_key = None
         if public_key is None and pinned is None:
-            public_key = client.signing_key()
-            console.print(f"verifying against the server's key {public_key} "
-                          f"(pin it with `elastify-device trust add {name} KEY`)")
+            public_key = server_key = client.signing_key()
+            console.print(f"verifying against the server's key {server_key} (--trust-server-key)")
         try:
             with download_bar(f"{name} {version}") as on_progress:
                 path = pull(name, version, registry=client, public_key=public_key, max_level=max_level,
                             cache_dir=cache_dir, on_progress=on_progress)
+            if server_key is not None:  # pinned only once a package verified against it
+                store.add(name, server_key)
+                console.print(f"pinned the server's key for {name} in {store.path}")
         except PackageError as err:
             fail(str(err))
         except ConnectionError as err:

@@ -50,13 +50,16 @@ def spec_file(tmp_path: Path, text: str = SPEC) -> Path:
     return path
 
 
-def test_cli_submit_list_show_cancel_retry_logs(cli, tmp_path):
+def test_cli_submit_list_show_cancel_retry_logs(cli, tmp_path, monkeypatch):
     submitted = cli("submit", str(spec_file(tmp_path)))
     assert submitted.exit_code == 0, submitted.output
     build_id = submitted.stdout.strip()
     assert len(build_id) == 16
+    monkeypatch.setenv("COLUMNS", "60")  # a narrow terminal's width must not squeeze a piped table
     listed = cli("builds", "list", "--name", "clipkg")
+    monkeypatch.setenv("COLUMNS", "200")
     assert listed.exit_code == 0 and build_id in listed.stdout and "queued" in listed.stdout
+    assert "…" not in listed.stdout and max(map(len, listed.stdout.splitlines())) > 60  # whole ids and dates
     shown = cli("builds", "show", build_id)
     assert shown.exit_code == 0 and "first" in shown.stdout and "second" in shown.stdout and "0/3 stages" in shown.stdout
     cancelled = cli("builds", "cancel", build_id)
@@ -127,11 +130,19 @@ def test_cli_packages_aliases_and_pull(cli, api, tmp_path):
     assert "verified tiny 2.0.0" in pulled.output
 
 
-def test_cli_pull_without_a_pinned_key_uses_the_servers_and_refuses_another_signer(cli, tmp_path):
-    # The test packages are signed by a key that is not this server's: the server's key must not verify them.
-    result = cli("packages", "pull", "tiny", "1.0.0", "--cache-dir", str(tmp_path / "cache"))
+def test_cli_pull_without_any_key_refuses_and_trusts_the_servers_key_only_when_told(cli, tmp_path, monkeypatch):
+    from device_sdk.trust import TRUST_STORE_ENV, TrustStore
+
+    monkeypatch.setenv(TRUST_STORE_ENV, str(tmp_path / "trust.json"))
+    refused = cli("packages", "pull", "tiny", "1.0.0", "--cache-dir", str(tmp_path / "cache"))
+    assert refused.exit_code == 2 and "no key to verify 'tiny'" in refused.output
+    assert "--trust-server-key" in refused.output and "verifying against" not in refused.output
+    # The test packages are signed by a key that is not this server's: the server's key must not verify
+    # them, and a key that verified nothing is not pinned.
+    result = cli("packages", "pull", "tiny", "1.0.0", "--trust-server-key", "--cache-dir", str(tmp_path / "cache"))
     assert result.exit_code == 2 and "signature does not verify" in result.output
-    assert "verifying against the server's key" in result.output
+    assert "verifying against the server's key" in result.output and "pinned the server's key" not in result.output
+    assert TrustStore().pinned("tiny") is None
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]
 
 
