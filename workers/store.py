@@ -12,6 +12,7 @@ worker killed mid-upload leaves nothing that looks like one.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import tempfile
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlparse
 
-from device_sdk.format import atomic_write_bytes, canonical_json, sha256_file
+from device_sdk.format import canonical_json, sha256_file
 
 INDEX = "index.json"
 CHUNK = 1 << 22
@@ -66,8 +67,20 @@ class ArtifactRef:
     size: int  # total bytes of its files
 
 
-def _hash_copy(source, dest: Path, expected: str | None, what: str) -> str:
-    """Stream `source` (a binary file object) into `dest` atomically, hashing as it goes."""
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _hash_copy(source, dest: Path, expected: str | None, what: str, durable: bool = False) -> str:
+    """Stream `source` (a binary file object) into `dest` atomically, hashing as it goes.
+
+    `durable` (the store's own objects) fsyncs the file before the rename and its directory after it, so
+    a power loss leaves the old object or the whole new one, never a renamed-but-empty file; copies out of
+    the store (a worker's scratch) skip it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
     digest = hashlib.sha256()
@@ -76,12 +89,17 @@ def _hash_copy(source, dest: Path, expected: str | None, what: str) -> str:
             while block := source.read(CHUNK):
                 digest.update(block)
                 out.write(block)
+            if durable:
+                out.flush()
+                os.fsync(out.fileno())
         if expected is not None and digest.hexdigest() != expected:
             raise StoreIntegrityError(f"{what}: sha256 {digest.hexdigest()} does not match the recorded {expected}")
         os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_directory(dest.parent)
     return digest.hexdigest()
 
 
@@ -195,10 +213,10 @@ class LocalStore(ArtifactStore):
 
     def put_file(self, key: str, path: Path) -> None:
         with open(path, "rb") as source:
-            _hash_copy(source, self._path(key), None, key)
+            _hash_copy(source, self._path(key), None, key, durable=True)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        atomic_write_bytes(self._path(key), data)
+        _hash_copy(io.BytesIO(data), self._path(key), None, key, durable=True)
 
     def get_file(self, key: str, dest: Path, sha256: str | None = None) -> None:
         with open(self._path(key), "rb") as source:
