@@ -96,13 +96,18 @@ def _unit_reducers(layer, arch: Architecture) -> dict[torch.nn.Parameter, tuple[
     return reducers
 
 
-def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: str = "param_first"):
-    """Per-layer Taylor scores for KV groups and neurons from one backward over all windows."""
+UNIT_TAYLOR = "unit importance (taylor)"
+
+
+def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: str = "param_first",
+                    ctx: StageContext | None = None):
+    """Per-layer Taylor scores for KV groups and neurons from one backward over all windows; with `ctx`, the
+    backward reports progress as each tracked weight's gradient is folded in (it is one long computation)."""
     layers = list(model.model.layers)
     device = windows.device
     attn_scores = [torch.zeros(arch.kv_heads, dtype=torch.float64, device=device) for _ in layers]
     mlp_scores = [torch.zeros(arch.intermediate, dtype=torch.float64, device=device) for _ in layers]
-    handles, tracked = [], []
+    handles, tracked, folded = [], [], [0]
     requires = {p: p.requires_grad for p in model.parameters()}
     for p in model.parameters():
         p.requires_grad_(False)
@@ -117,6 +122,9 @@ def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: st
                 salience = salience.abs() if taylor == "param_first" else salience
                 target += reduce(salience).double()
                 p.grad = None  # free at once: at most one weight's gradient is alive
+                folded[0] += 1
+                if ctx is not None:
+                    ctx.report(UNIT_TAYLOR, folded[0], len(tracked))
 
             param.requires_grad_(True)
             tracked.append(param)
@@ -126,6 +134,8 @@ def unit_importance(model, arch: Architecture, windows: torch.Tensor, taylor: st
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # HF checkpoints only in train mode; Llama-family dropout is 0
     try:
+        if ctx is not None:
+            ctx.report(UNIT_TAYLOR, 0, len(tracked))
         loss, count = nll_sum(model, windows)
         (loss / count).backward()
     finally:
@@ -182,6 +192,7 @@ def layer_importance_loo(model, windows: torch.Tensor, batch_size: int, ctx: Sta
     increase = torch.zeros(len(layers), dtype=torch.float64, device=windows.device)
     batches = range(0, windows.shape[0], batch_size)
     tokens = 0
+    ctx.report("layer importance (leave one out)", 0, len(batches) * len(layers))
     for batch_index, start in enumerate(batches):
         batch = windows[start : start + batch_size]
         inputs = _record_layer_inputs(model, batch)
@@ -210,6 +221,7 @@ def group_importance_loo(model, arch: Architecture, windows: torch.Tensor, batch
     increase = [torch.zeros(arch.kv_heads, dtype=torch.float64, device=windows.device) for _ in layers]
     batches = range(0, windows.shape[0], batch_size)
     done, total, tokens = 0, len(batches) * len(layers) * arch.kv_heads, 0
+    ctx.report("attention importance (leave one group out)", 0, total)
     for start in batches:
         batch = windows[start : start + batch_size]
         inputs = _record_layer_inputs(model, batch)
@@ -305,10 +317,16 @@ def layer_importance_block_influence(model, windows: torch.Tensor, batch_size: i
 # --------------------------------------------------------------------------- the stage
 
 
+LOAD_MODEL = "load model"
+CALIBRATION_WINDOWS = "calibration windows"
+
+
 def profile(model, tokenizer, arch: Architecture, settings: ProfileSettings, ctx: StageContext) -> Importance:
     """Unit and layer importance of `model`, run on the device it is on, in `model_precision`'s dtype."""
     device = next(model.parameters()).device
+    ctx.report(CALIBRATION_WINDOWS, 0, 1)
     windows = make_windows(tokenizer, settings.calibration, settings.windows, settings.window_length, settings.seed)
+    ctx.report(CALIBRATION_WINDOWS, 1, 1)
     with model_precision(model, device):
         return _profile(model, arch, windows.to(device), settings, ctx)
 
@@ -317,9 +335,7 @@ def _profile(model, arch: Architecture, windows: torch.Tensor, settings: Profile
              ctx: StageContext) -> Importance:
     attn = mlp = None
     if settings.attn_method == "taylor" or settings.mlp_method == "taylor":
-        ctx.report("unit importance (taylor)", 0, 1)
-        attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor)
-        ctx.report("unit importance (taylor)", 1, 1)
+        attn, mlp, loss = unit_importance(model, arch, windows, settings.taylor, ctx)
     if settings.mlp_method == "activation":
         ctx.report("neuron importance (activation)", 0, 1)
         mlp, loss = neuron_activation_importance(model, windows, settings.batch_size)
@@ -338,8 +354,11 @@ def _profile(model, arch: Architecture, windows: torch.Tensor, settings: Profile
 def run(inputs: dict[str, Path], settings: ProfileSettings, ctx: StageContext) -> dict[str, Path]:
     """Stage entry: inputs {"model": dir or .gguf} -> outputs {"importance": file}. The model loads in its
     source's dtype (bf16/fp16, else fp32) and runs on `ctx.device`."""
+    # Reported before and after: loading a model is the first long step, and a stage says it is alive at once.
+    ctx.report(LOAD_MODEL, 0, 1)
     loaded = load_model(inputs["model"])
     loaded.model.to(torch.device(ctx.device))
+    ctx.report(LOAD_MODEL, 1, 1)
     result = profile(loaded.model, loaded.tokenizer, loaded.architecture, settings, ctx)
     out = ctx.work_dir / IMPORTANCE_FILE
     result.save(out)
