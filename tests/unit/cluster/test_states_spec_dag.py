@@ -310,3 +310,15 @@ def test_a_bad_sibling_input_is_a_spec_error_naming_the_stage_and_the_shard(shar
     with pytest.raises(SpecError) as caught:
         plan(parse_spec(BASE), _chained(shard_inputs))
     assert caught.value.problems == [("stages.per_level", message)]
+
+
+@pytest.mark.parametrize("example", sorted((Path(__file__).parents[3] / "examples" / "builds").glob("*.yaml")),
+                         ids=lambda path: path.stem)
+def test_every_example_spec_parses_typed_and_plans(example):
+    spec = parse_spec(example, default_registry())
+    stages = {node.type for node in plan(spec, default_registry())}
+    assert {"profile", "elastify", "publish"} <= stages
+    if spec.preset == "quick":
+        assert "corpus-generate" not in stages and "recover" in stages
+    if spec.preset == "full":
+        assert {"experts", "export"} <= stages
