@@ -5,6 +5,7 @@
     /v1/usage       GPU- and CPU-hours from the ledger
     /v1/sources     upload a model directory or data file, named in builds as upload:<digest>
     /v1/keys/signing, /healthz, /readyz, /metrics   (no token needed)
+    /docs           Swagger UI, its script and style served from the pinned swagger-ui-bundle-v2 (no CDN)
 
 Every other route needs `Authorization: Bearer <tenant token>` and sees only its tenant's objects
 (admin tokens see all). Every error is application/problem+json (api/problems.py).
@@ -17,8 +18,11 @@ import time
 from collections.abc import Callable
 from http import HTTPStatus
 
+import swagger_ui_bundle
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html, get_swagger_ui_oauth2_redirect_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.staticfiles import StaticFiles
 
 from api import dashboard, problems
 from api.metrics import job_store_registry
@@ -38,7 +42,10 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app over `settings` (database, store, signing key) and the stages of `registry` (default: the
     ElastiLM and CLONE stages of pipeline.chain); the database must be migrated already."""
-    app = FastAPI(title="Elastify", version="1", summary="Build elastic LLM packages; follow builds; download packages.")
+    # FastAPI's own /docs and /redoc load their script and style from a CDN: an air-gapped deployment
+    # (or a strict proxy) gets a blank page. /docs is served from local assets instead (install_docs).
+    app = FastAPI(title="Elastify", version="1", summary="Build elastic LLM packages; follow builds; download packages.",
+                  docs_url=None, redoc_url=None)
     engine = make_engine(settings.database_url)
     app.state.settings = settings
     app.state.engine = engine
@@ -60,7 +67,29 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
     for module in (builds, packages, sources, usage, health, dashboard):
         app.include_router(module.router)
     app.openapi = lambda: _openapi(app, max_body_bytes)
+    install_docs(app)
     return app
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def install_docs(app: FastAPI) -> None:
+    """/docs: FastAPI's Swagger UI page, its script, style and icon served from the installed Swagger UI
+    files (FastAPI's "self-hosting JavaScript and CSS for docs" recipe)."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger_ui():
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} API",
+                                   oauth2_redirect_url=app.swagger_ui_oauth2_redirect_url,
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+    @app.get(app.swagger_ui_oauth2_redirect_url, include_in_schema=False)
+    def swagger_ui_redirect():
+        return get_swagger_ui_oauth2_redirect_html()
 
 
 def default_registry() -> Registry:
