@@ -229,5 +229,19 @@ def validation_problems(errors: list[dict], prefix: tuple = (), registry=None) -
     return problems
 
 
+def published_build(session, publish: PublishSpec, tenant: str) -> str | None:
+    """The id of `tenant`'s build that already published `publish.name` `publish.version`, if one did
+    (another tenant's name is refused by cluster.service.submit, without saying which versions exist).
+
+    A published version is immutable (its manifest is signed and pinned by devices), so a second build of
+    it is refused at submit rather than after hours of compute, at publish."""
+    from sqlalchemy import select
+
+    from cluster.models import Build, Package
+
+    return session.scalar(select(Package.build_id).join(Build, Build.id == Package.build_id).where(
+        Package.name == publish.name, Package.version == publish.version, Build.tenant_id == tenant))
+
+
 def dump_spec(spec: BuildSpec) -> str:
     return json.dumps(spec.model_dump(mode="json"), indent=2)

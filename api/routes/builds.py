@@ -22,7 +22,7 @@ from api.schemas import BuildOut, BuildPage, BuildStatus, LogEvent
 from cluster.capacity import current_capacity
 from cluster.models import Build
 from cluster.service import build_events, cancel_build, describe_build, list_builds, retry_build, submit
-from cluster.spec import BuildSpec
+from cluster.spec import BuildSpec, published_build
 from cluster.states import TERMINAL, Status
 
 router = APIRouter(prefix="/v1/builds", tags=["builds"])
@@ -50,6 +50,20 @@ def _describe(request: Request, build_id: str, scope: str | None) -> dict:
 BuildId = Annotated[str, Path(pattern=BUILD_ID, description="the build id")]
 
 
+def _refuse_a_published_version(request: Request, spec: BuildSpec, tenant: str, idempotency_key: str | None) -> None:
+    """409 when spec.publish names a version that exists, unless this is a replay of an earlier submission
+    (its Idempotency-Key was used already: `submit` answers with that build, or a 409 of its own)."""
+    with sessions(request)() as session:
+        if idempotency_key is not None and session.scalar(
+                select(Build.id).where(Build.tenant_id == tenant, Build.idempotency_key == idempotency_key)):
+            return
+        build_id = published_build(session, spec.publish, tenant)
+    if build_id is not None:
+        raise ProblemError(409, f"{spec.publish.name} {spec.publish.version} is already published (build "
+                                f"{build_id}); a published version never changes: set another publish.version",
+                           kind="version-exists", errors=[("publish.version", "already published")])
+
+
 def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
     """`POST /v1/builds` taking `spec_model` (cluster.spec.spec_model of the app's registry)."""
     submit_routes = APIRouter(prefix="/v1/builds", tags=["builds"])
@@ -65,7 +79,9 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
         """Queue a build. With `Idempotency-Key`, the same key and spec return the first build (200) and the
         same key with another spec is a 409. A quota that refuses answers 429 and queues nothing. Every file
         the build reads is an `upload:<digest>` of the caller (POST /v1/sources) or a path under the server's
-        source roots: a path outside them is a 403 naming the field."""
+        source roots: a path outside them is a 403 naming the field. A name and version already published
+        is a 409 (bump `publish.version`)."""
+        _refuse_a_published_version(request, spec, caller.tenant, idempotency_key)
         capacity = current_capacity(request.app.state.settings.max_task_resources)
         submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key,
                             capacity=capacity, sources=request.app.state.sources)

@@ -222,3 +222,15 @@ def test_cli_uploads_a_model_directory_and_a_file_and_lists_them(cli, api, tmp_p
     assert listed.exit_code == 0 and {"dir", "file"} <= {u["kind"] for u in json.loads(listed.stdout)["items"]}
     missing = cli("sources", "upload", str(tmp_path / "nothing"))
     assert missing.exit_code == 2 and "neither a file nor a directory" in missing.output
+
+
+def test_submitting_a_published_version_is_a_409_naming_the_field_and_the_cli_says_so(cli, api, tmp_path):
+    import httpx
+
+    result = cli("submit", str(spec_file(tmp_path, SPEC.replace("clipkg", "tiny").replace("'1'", "1.0.0"))))
+    assert result.exit_code == 2 and "tiny 1.0.0 is already published" in result.output
+    body = {"source": {"model": "unused"}, "levels": [1.0], "publish": {"name": "tiny", "version": "1.0.0"}}
+    refused = httpx.post(f"{api.url}/v1/builds", json=body, headers={"Authorization": f"Bearer {api.acme}"})
+    assert refused.status_code == 409 and refused.json()["errors"][0]["field"] == "publish.version", refused.text
+    other = httpx.post(f"{api.url}/v1/builds", json=body, headers={"Authorization": f"Bearer {api.token('other')}"})
+    assert other.status_code == 409 and "already published" not in other.text  # not told which versions exist
