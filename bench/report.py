@@ -258,6 +258,34 @@ def device_pull(r: Results) -> str:
     )
 
 
+QUANT_QUALITY = "bench/results/quant_quality.json"
+
+
+def quant_quality(r: Results) -> str:
+    """Per format and level: perplexity ratio to the same level in full precision, both compute paths;
+    llama.cpp's formats against its own F16 on the same windows."""
+    summary = r.get(QUANT_QUALITY, "summary")
+    rows = []
+    for fmt, by_level in summary["sdk"].items():
+        for level in sorted(by_level, key=float, reverse=True):
+            paths = by_level[level]
+            loss = summary["level_losses"][fmt][level]
+            rows.append([f"SDK {fmt}", level, ratio_ci(paths["decode"], 4), ratio_ci(paths["prefill"], 4),
+                         f"{signed(loss['mean_nats'], 4)} {span(loss['low_nats'], loss['high_nats'], 4, sign=True)}"])
+    for label, paired in summary["llama_cpp"].items():
+        rows.append([f"llama.cpp {label}", "1.0", ratio_ci(paired, 4), "–", "–"])
+    return table(["format", "level", "perplexity ÷ full precision, decode path", "prefill path",
+                  "increase minus level 1.0's (nats)"], rows)
+
+
+def quant_versus_llama_cpp(r: Results) -> str:
+    rows = []
+    for fmt, d in r.get(QUANT_QUALITY, "summary", "ours_minus_llama_cpp").items():
+        rows.append([fmt, d["rival"], f"{signed(d['mean_nats'], 4)} {span(d['low_nats'], d['high_nats'], 4, sign=True)}",
+                     "met" if d["low_nats"] <= 0 else "missed"])
+    return table(["bits", "llama.cpp rival", "our NLL increase minus llama.cpp's (nats, 95%)", "goal (≤ 0)"], rows)
+
+
 def export_gguf(r: Results) -> str:
     s = r.get(EXPORT, "summary", "f16")
     level = r.get(EXPORT, "config", "level")
@@ -1268,12 +1296,16 @@ PAGES = (
             "levels": device_levels,
             "pull": device_pull,
             "export": export_gguf,
+            "quant-quality": quant_quality,
+            "quant-versus": quant_versus_llama_cpp,
         },
         {
             "new-tokens": _int(DEVICE, "config", "new_tokens"),
             "rounds": _int(DEVICE, "config", "rounds"),
             "export-tokens": _int(EXPORT, "config", "new_tokens"),
             "export-rounds": _int(EXPORT, "config", "rounds"),
+            "quant-windows": _int(QUANT_QUALITY, "windows_total"),
+            "quant-length": _int(QUANT_QUALITY, "settings", "window_length"),
         },
     ),
     Page(
