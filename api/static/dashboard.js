@@ -8,13 +8,15 @@
   let refreshMs = 5000;
   let timer = null;
   let generation = 0;  // bumped on every start/logout: answers for an older token are dropped
+  // Whether the fragment or the viewer picked GPU- or CPU-hours; until then the page picks (chooseMetric).
+  let metricChosen = false;
 
   // Settings from the fragment: #token=…&refresh=ms&metric=gpu|cpu. The token moves to sessionStorage and
   // out of the address bar.
   function readFragment() {
     const params = new URLSearchParams(location.hash.slice(1));
     if (params.get("refresh")) refreshMs = Math.max(1000, Number(params.get("refresh")) || 5000);
-    if (params.get("metric") in METRICS) $("metric").value = params.get("metric");
+    if (params.get("metric") in METRICS) { $("metric").value = params.get("metric"); metricChosen = true; }
     if (params.get("token")) sessionStorage.setItem(KEY, params.get("token"));
     if (location.hash) history.replaceState(null, "", location.pathname + location.search);
   }
@@ -37,6 +39,13 @@
   const hours = (seconds) => seconds / 3600;
   const METRICS = { gpu: { name: "GPU-hours", short: "GPU h" }, cpu: { name: "CPU-hours", short: "CPU h" } };
   const metric = () => $("metric").value;  // "gpu" or "cpu": which *_hours / *_seconds field is drawn
+
+  // GPU-hours when any GPU time was ever recorded, else CPU-hours: a CPU-only deployment's GPU charts would
+  // be empty. Re-decided on every refresh until the viewer picks, so the first GPU stage switches the page.
+  function chooseMetric(byTenant) {
+    if (metricChosen) return;
+    $("metric").value = byTenant.rows.some((row) => row.gpu_seconds > 0) ? "gpu" : "cpu";
+  }
 
   function daysByStageType(report, field) {
     const days = [...new Set(report.rows.map((row) => row.day))].sort();
@@ -95,6 +104,7 @@
         api("/v1/builds?limit=50"),
       ]);
       if (run !== generation) return;
+      chooseMetric(byTenant);
       const field = `${metric()}_hours`, { name, short } = METRICS[metric()];
       document.querySelectorAll(".metric-name").forEach((span) => { span.textContent = name; });
       $("metric-column").textContent = short;
@@ -149,8 +159,9 @@
     start();
   });
   $("logout").addEventListener("click", () => logout());
-  $("metric").addEventListener("change", () => start());
+  $("metric").addEventListener("change", () => { metricChosen = true; start(); });
   function begin() {
+    metricChosen = false;
     readFragment();
     if (sessionStorage.getItem(KEY)) start(); else logout();
   }

@@ -102,7 +102,7 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
     loop.start()
     app = create_app(settings, registry)
     admin = create_token(app.state.sessions, "ops", admin=True)
-    tokens = {tenant: create_token(app.state.sessions, tenant) for tenant in ("acme", "beta")}
+    tokens = {tenant: create_token(app.state.sessions, tenant) for tenant in ("acme", "beta", "gamma")}
     try:
         with ServerThread(app, port=services.free_port()) as server:
             clients = {tenant: ElastifyClient(server.url, token=token) for tenant, token in tokens.items()}
@@ -129,6 +129,8 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
             assert {b: (r["status"], r["progress"], r["width"]) for b, r in rows.items()} == {
                 b: ("succeeded", 1, 100) for b in [*finished, running]}
             browser.save_screenshot(str(artifacts_dir / "dashboard.png"))
+            # GPU time was recorded, so the page shows GPU-hours without being asked.
+            assert browser.execute_script("return document.getElementById('metric').value") == "gpu"
 
             # GPU-hours per day, stacked by stage type: one rect per (day, stage type), values from /v1/usage.
             today = datetime.now(UTC).date().isoformat()
@@ -180,6 +182,10 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
             wait_for(lambda: set(table_rows(browser)) == {finished[1]}, what="beta's own builds only")
             assert {b["category"] for b in bars(browser, "chart-tenants")} == {"beta"}
             assert {b["category"] for b in bars(browser, "chart-builds")} == {finished[1]}
+            # A tenant that never used a GPU is shown CPU-hours by default.
+            browser.get(f"{server.url}/dashboard#token={tokens['gamma']}&refresh=1000")
+            wait_for(lambda: "CPU-hours per day" in browser.find_element("id", "panels").text, what="CPU-hours for gamma")
+            assert browser.execute_script("return document.getElementById('metric').value") == "cpu"
 
             # A bad token: the login form comes back with the reason, and nothing is drawn.
             browser.get(f"{server.url}/dashboard#token=elst_wrong")
