@@ -1,47 +1,73 @@
-"""A local OpenAI-compatible service over one ElasticModel (standard library HTTP, Jinja2 chat templates).
+"""A local OpenAI-compatible service over one ElasticModel (FastAPI + uvicorn, Jinja2 chat templates).
 
     POST /v1/completions       {"prompt": "...", "max_tokens": 32, "stream": false, "stop": ["\\n"],
                                 "temperature": 0.7, "top_p": 0.9, "seed": 1,
                                 "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1,
+                                "model": "NAME@0.5",   # a level id from /v1/models; "NAME" lets the SLO decide
                                 "slo": {"ttft_ms": 200, "tpot_ms": 40},   # or {"ttft": 0.5, "tpot": 0.8}
+                                "level": "0.5",  # extension: the level, as model="NAME@0.5" does
                                 "keep": "...",   # the prompt's end that compression keeps whole
                                 "min_tokens": 1} # tokens before end-of-sequence may come (0 allows none)
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...the same fields}
-    GET  /v1/models, GET /health
+    GET  /v1/models   NAME (the SLO-decided default) and NAME@<level> per level held; a level the
+                      package's report card marks unusable has "elastify": {"usable": false}
+    GET  /health, GET /metrics (Prometheus text: requests, tokens, TTFT/TPOT by level, SLO met/missed, queue)
 
 Chat prompts are rendered with the package's own chat template. Without `temperature` or
 `top_p` decoding is greedy; with either it samples (the other defaults to 1, as OpenAI's do),
 reproducibly for a given `seed`. OpenAI's frequency and presence penalties and vLLM's
-`repetition_penalty` apply greedy or sampled (runtime.Sampling). A parameter this server does not honour (`n` > 1, `logprobs`,
-`echo`, `tools`, ...) is refused with a 400 naming it, never silently ignored.
+`repetition_penalty` apply greedy or sampled (runtime.Sampling). A parameter this server does not honour
+(`n` > 1, `logprobs`, `echo`, `tools`, ...) is refused with a 400 naming it, never silently ignored; so are
+bodies with NaN/Infinity, lone surrogates or nesting too deep to parse. An unknown `model` is a 404.
 
-Several apps share one model: one request runs at a time (a single worker thread owns the
-model, so level switches never race a generation); up to `max_queue` more wait, and the
-rest get 503 at once. Streaming answers are server-sent events, ending with `data: [DONE]`.
-The response's extra `elastify` object reports the chosen level and prompt ratio, TTFT, TPOT and `slo_met`.
-Every request body is read before the answer, whatever the answer, so a keep-alive connection
-stays usable after an error.
+Several apps share one model: one request runs at a time (a single worker thread owns the model, so level
+switches never race a generation); up to `max_queue` more wait, and the rest get 429 with Retry-After.
+A client that disconnects stops its generation at the next token; a queued request whose client left
+never runs. Streaming answers are server-sent events, ending with `data: [DONE]`. The response's extra
+`elastify` object reports the chosen level and prompt ratio, TTFT, TPOT and `slo_met`; the headers
+X-Elastify-Level and X-Elastify-Prompt-Ratio say the same on non-streamed answers (a stream's headers
+leave before the level is chosen, so there they come in the final chunk's `elastify` only).
+uvicorn closes a connection whose headers do not arrive within `timeout_keep_alive` and caps concurrent
+connections (`limit_concurrency`, answered 503) so half-sent requests cannot pile up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import math
 import queue
+import socket
 import threading
 import time
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from fastapi.sse import EventSourceResponse, format_sse_event
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from device_sdk.chat import ChatTemplate, ChatTemplateError
 from device_sdk.latency import SLO
 from device_sdk.runtime import Sampling
 
-_DONE = object()
-MAX_BODY = 4 << 20  # bytes; a larger request gets 413 and the connection is closed
+access_log = logging.getLogger("device_sdk.serve.access")
+MAX_BODY = 4 << 20  # bytes; a larger request gets 413
 MAX_TOKENS = 4096
 CHAT_DEFAULT_MAX_TOKENS = 512  # OpenAI's chat has no default cap; this one bounds an unasked-for essay
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOPS = 4
+RETRY_AFTER_S = 1  # what a 429 suggests; one short generation's worth
+KEEP_ALIVE_TIMEOUT_S = 5  # uvicorn drops an idle or header-less connection after this
+MAX_CONNECTIONS = 64  # uvicorn answers 503 beyond this many open connections/tasks
 
 # Parameters that are accepted only at the value that asks for nothing this server cannot do.
 _ONLY_DEFAULT = {
@@ -59,7 +85,7 @@ _ONLY_DEFAULT = {
     "response_format": (None, {"type": "text"}),
 }
 _COMMON = {"model", "max_tokens", "min_tokens", "stream", "stream_options", "temperature", "top_p", "seed", "stop",
-           "user", "slo", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+           "user", "slo", "level", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 _ACCEPTED = {
     "completion": _COMMON | {"prompt", "keep"},
     "chat": _COMMON | {"messages", "max_completion_tokens"},
@@ -70,9 +96,9 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 class RequestError(ValueError):
     """A request this server refuses: `param` names the offending field, `code` classifies it (OpenAI's fields)."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -82,46 +108,138 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class Job:
-    def __init__(self, request: dict):
+    """One request on its way through the worker; events go back to the request's event loop."""
+
+    def __init__(self, request: dict, loop: asyncio.AbstractEventLoop):
         self.request = request
-        self.events: queue.Queue = queue.Queue()  # text pieces, then a Generation or an exception, then _DONE
+        self.loop = loop
+        self.events: asyncio.Queue = asyncio.Queue()  # text pieces, then a Generation or an exception, then _DONE
+        self.cancelled = threading.Event()  # the client left: stop at the next token, or never start
+
+    def put(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shut down); nobody is listening
+            self.cancelled.set()
+
+
+_DONE = object()
+
+
+def _same_number(a: str, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
+
+
+class ServerMetrics:
+    """The Prometheus series of one server, in a registry of its own so several servers can share a process."""
+
+    def __init__(self, queue_depth):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("elastify_requests", "HTTP requests answered", ["endpoint", "status"],
+                                registry=self.registry)
+        self.tokens = Counter("elastify_generated_tokens", "Tokens generated", ["level"], registry=self.registry)
+        self.ttft = Histogram("elastify_ttft_seconds", "Time to first token", ["level"], registry=self.registry)
+        self.tpot = Histogram("elastify_tpot_seconds", "Time per output token after the first", ["level"],
+                              registry=self.registry)
+        self.slo = Counter("elastify_slo", "Requests with an SLO, by outcome", ["outcome"], registry=self.registry)
+        self.queue = Gauge("elastify_queue_depth", "Requests waiting for the model", registry=self.registry)
+        self.queue.set_function(queue_depth)
+
+    def observe(self, result) -> None:
+        level = result.level or "custom"
+        self.tokens.labels(level).inc(len(result.tokens))
+        self.ttft.labels(level).observe(result.ttft_ms / 1000)
+        if result.tpot_ms is not None:
+            self.tpot.labels(level).observe(result.tpot_ms / 1000)
+        if result.slo_met is not None:
+            self.slo.labels("met" if result.slo_met else "missed").inc()
 
 
 class CompletionService:
     """The model, its chat template, its single worker thread and the bounded queue in front of it."""
 
-    def __init__(self, model, model_name: str, max_queue: int = 4, chat_template: ChatTemplate | None = None):
+    def __init__(self, model, model_name: str, max_queue: int = 16, chat_template: ChatTemplate | None = None):
         self.model = model
         self.model_name = model_name
         self.chat_template = chat_template
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self.metrics = ServerMetrics(self.jobs.qsize)
         self.worker = threading.Thread(target=self._work, name="elastify-model", daemon=True)
         self.worker.start()
 
-    def submit(self, request: dict) -> Job | None:
-        """Queue a request; None when the queue is full (the caller answers 503)."""
-        job = Job(request)
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when the queue is full (the caller answers 429)."""
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
+            return False
+        return True
+
+    def levels(self) -> list:
+        held = set(self.model.available_levels())
+        return [level for level in self.model.manifest.elastic.levels if level.name in held]
+
+    def models(self) -> list[dict]:
+        """/v1/models: the SLO-decided default, then one id per level held."""
+        entries = [{"id": self.model_name, "object": "model", "created": 0, "owned_by": "elastify",
+                    "elastify": {"level": None, "usable": True}}]
+        for level in self.levels():
+            entries.append({"id": f"{self.model_name}@{level.name}", "object": "model", "created": 0,
+                            "owned_by": "elastify", "elastify": {"level": level.name, "usable": level.usable}})
+        return entries
+
+    def resolve_level(self, data: dict) -> str | None:
+        """The level `model` ("NAME@0.5") or the `level` extension names; None lets the SLO decide."""
+        model = data.get("model")
+        chosen = None
+        if model is not None and model != self.model_name:
+            name, at, level = str(model).rpartition("@")
+            if not at or name != self.model_name:
+                raise RequestError(f"the model {model!r} does not exist; GET /v1/models lists them", param="model",
+                                   code="model_not_found", status=404)
+            chosen = level
+        extra = data.get("level")
+        if extra is not None:
+            if not isinstance(extra, str | int | float) or isinstance(extra, bool):
+                raise RequestError("level must be a level name such as \"0.5\"", param="level")
+            extra = str(extra)
+            if chosen is not None and chosen != extra:
+                raise RequestError(f"model names level {chosen} but level says {extra}", param="level")
+            chosen = extra
+        if chosen is None:
             return None
-        return job
+        for level in self.levels():  # "0.50" names level 0.5
+            if level.name == chosen or _same_number(level.name, chosen):
+                return level.name
+        raise RequestError(f"the model {self.model_name}@{chosen} does not exist; GET /v1/models lists them",
+                           param="model", code="model_not_found", status=404)
 
     def _work(self) -> None:
         while True:
             job = self.jobs.get()
+            if job.cancelled.is_set():  # its client left while it waited
+                job.put(_DONE)
+                continue
             try:
                 request = job.request
                 stream = self.model.generate(request["prompt"], slo=request["slo"], max_new_tokens=request["max_tokens"],
                                              stream=True, sampling=request["sampling"], stop=request["stop"],
-                                             keep=request["keep"], min_new_tokens=request["min_tokens"])
+                                             keep=request["keep"], min_new_tokens=request["min_tokens"],
+                                             level=request["level"])
                 for piece in stream:
-                    job.events.put(piece)
-                job.events.put(stream.result)
+                    if job.cancelled.is_set():
+                        break
+                    job.put(piece)
+                else:
+                    self.metrics.observe(stream.result)
+                    job.put(stream.result)
             except Exception as err:  # reported to the client; the worker keeps serving
-                job.events.put(err)
+                job.put(err)
             finally:
-                job.events.put(_DONE)
+                job.put(_DONE)
 
 
 # --------------------------------------------------------------------------- requests
@@ -133,11 +251,14 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
     A chat request's messages are rendered to `prompt` with `chat_template`.
     """
     try:
-        data = json.loads(body or b"{}")
+        data = json.loads(body or b"{}", parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise RequestError(f"body is not JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("body is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError("the body must be a JSON object")
+    _check_text(data)
     unsupported = sorted(
         key for key, value in data.items()
         if (key in _ONLY_DEFAULT and value not in _ONLY_DEFAULT[key]) or (key not in _ONLY_DEFAULT and key not in _ACCEPTED[kind])
@@ -180,7 +301,29 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         raise RequestError(str(err), param="slo") from None
     return {"prompt": prompt, "max_tokens": max_tokens, "min_tokens": min_tokens, "stream": stream,
             "include_usage": bool(options.get("include_usage")), "slo": slo,
-            "sampling": parse_sampling(data), "stop": parse_stop(data.get("stop")), "keep": keep}
+            "sampling": parse_sampling(data), "stop": parse_stop(data.get("stop")), "keep": keep,
+            "level": None}
+
+
+def _no_constant(name: str):
+    raise RequestError(f"{name} is not a JSON number; numbers must be finite")
+
+
+def _check_text(data: dict) -> None:
+    """Refuse lone surrogates (valid JSON escapes, but not text a tokenizer can encode)."""
+    pending = [data]
+    while pending:  # a loop, not recursion: the nesting json.loads allowed must not overflow here
+        value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError("the body holds a lone surrogate (\\ud800-\\udfff); send UTF-8 text") from None
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
 
 
 def parse_messages(messages) -> list[dict]:
@@ -267,7 +410,7 @@ def _is_int(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def parse_slo(value) -> SLO | None:
@@ -288,158 +431,170 @@ def parse_slo(value) -> SLO | None:
 # --------------------------------------------------------------------------- HTTP
 
 
-class BodyError(Exception):
-    """A request body that cannot be read whole; the connection is closed after the answer."""
+async def _read_body(request: Request) -> bytes:
+    """The whole body, refused with 413 past MAX_BODY (uvicorn has no body cap of its own)."""
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > MAX_BODY:
+            raise RequestError(f"the body is over {MAX_BODY} bytes", status=413)
+        parts.append(part)
+    return b"".join(parts)
 
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
+
+def _error(err: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(str(err), param=err.param, code=err.code), status_code=err.status)
 
 
-def make_handler(service: CompletionService):
-    routes = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+def _failed(err: Exception) -> JSONResponse:
+    if isinstance(err, ValueError):  # e.g. a prompt that encodes to no tokens
+        return JSONResponse(error_body(str(err)), status_code=400)
+    return JSONResponse(error_body(f"generation failed: {err}", "server_error"), status_code=500)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, format, *args):  # quiet by default; the CLI prints one line per request
-            pass
+def _level_headers(result) -> dict[str, str]:
+    report = elastify_report(result)
+    return {"X-Elastify-Level": str(report["level"]), "X-Elastify-Prompt-Ratio": str(report["prompt_ratio"])}
 
-        def do_GET(self):
-            if self.path == "/health":
-                self._json(200, {"status": "ok", "level": service.model.level})
-            elif self.path == "/v1/models":
-                self._json(200, {"object": "list", "data": [
-                    {"id": service.model_name, "object": "model", "created": 0, "owned_by": "elastify"}]})
+
+def create_app(model, *, max_queue: int = 16, model_name: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `model`; its worker thread starts here. `app.state.service` holds it."""
+    package_dir = getattr(model, "package_dir", None)
+    template = ChatTemplate.load(package_dir / "model") if package_dir is not None else None
+    service = CompletionService(model, model_name or model.manifest.name, max_queue, template)
+    metrics = service.metrics
+    app = FastAPI(title="elastify-device", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.middleware("http")
+    async def log_and_count(request: Request, call_next):
+        started = time.perf_counter()
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path if request.url.path in _ROUTES else "other",
+                                str(response.status_code)).inc()
+        access_log.info("%s %s %s %d %.1fms", request.client.host if request.client else "-", request.method,
+                        request.url.path, response.status_code, (time.perf_counter() - started) * 1000)
+        return response
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _exc):
+        return JSONResponse(error_body(f"no route {request.method} {request.url.path}", code="not_found"), 404)
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, _exc):
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
+                                       code="method_not_allowed"), 405)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "level": service.model.level, "queue": service.jobs.qsize()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": service.models()}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, "chat")
+
+    async def _serve(request: Request, kind: str):
+        try:
+            body = await _read_body(request)
+            parsed = parse_request(body, kind, service.chat_template)
+            parsed["level"] = service.resolve_level(json.loads(body or b"{}"))
+        except RequestError as err:
+            return _error(err)
+        job = Job(parsed, asyncio.get_running_loop())
+        if not service.submit(job):
+            return JSONResponse(error_body("the model is busy and its queue is full; retry later", "server_error",
+                                           code="queue_full"), 429, headers={"Retry-After": str(RETRY_AFTER_S)})
+        ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        chunks = (ChatChunks if kind == "chat" else CompletionChunks)(ident, service.model_name,
+                                                                      parsed["include_usage"])
+        try:
+            first = await _next_event(job, request)
+        except _ClientGone:
+            return Response(status_code=499)
+        if first is _DONE:
+            return Response(status_code=499)
+        if isinstance(first, Exception):  # an error before any text still gets its own status
+            _drain(job)
+            return _failed(first)
+        if parsed["stream"]:
+            return EventSourceResponse(_events(job, first, chunks), headers={"Cache-Control": "no-cache"})
+        return await _whole(job, first, chunks, request)
+
+    return app
+
+
+_ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _next_event(job: Job, request: Request, poll_s: float = 0.25):
+    """The job's next event; a client that disconnects meanwhile cancels the job (raises _ClientGone)."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), poll_s)
+        except TimeoutError:
+            if await request.is_disconnected():
+                job.cancelled.set()
+                raise _ClientGone from None
+
+
+def _drain(job: Job) -> None:
+    job.cancelled.set()  # the worker stops at its next token; leftover events are dropped with the job
+
+
+async def _whole(job: Job, event, chunks, request: Request):
+    result = None
+    try:
+        while event is not _DONE:
+            if isinstance(event, Exception):
+                _drain(job)
+                return _failed(event)
+            if not isinstance(event, str):
+                result = event
+            event = await _next_event(job, request)
+    except _ClientGone:
+        return Response(status_code=499)
+    if result is None:
+        return Response(status_code=499)
+    return JSONResponse(chunks.whole(result.text, result), headers=_level_headers(result))
+
+
+def _sse(payload) -> bytes:
+    return format_sse_event(data_str=payload if isinstance(payload, str) else json.dumps(payload))
+
+
+async def _events(job: Job, event, chunks):
+    """The SSE stream; starlette cancels this generator when the client disconnects, which cancels the job."""
+    try:
+        for payload in chunks.opening():
+            yield _sse(payload)
+        while event is not _DONE:
+            if isinstance(event, Exception):
+                yield _sse(error_body(f"generation failed: {event}", "server_error"))
+            elif isinstance(event, str):
+                yield _sse(chunks.piece(event))
             else:
-                self._json(404, error_body(f"no route GET {self.path}", code="not_found"))
-
-        def do_POST(self):
-            if self._read_body() is None:
-                return
-            kind = routes.get(self.path)
-            if kind is None:
-                self._json(404, error_body(f"no route POST {self.path}", code="not_found"))
-                return
-            try:
-                request = parse_request(self.body, kind, service.chat_template)
-            except RequestError as err:
-                self._json(400, error_body(str(err), param=err.param, code=err.code))
-                return
-            job = service.submit(request)
-            if job is None:
-                self._json(503, error_body("the model is busy and its queue is full; retry later", "server_error"))
-                return
-            ident = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            chunks = ChatChunks if kind == "chat" else CompletionChunks
-            first = job.events.get()  # an error before any text still gets its own status
-            if isinstance(first, Exception):
-                self._generation_failed(first)
-                while job.events.get() is not _DONE:
-                    pass
-            elif request["stream"]:
-                self._stream(job, first, chunks(ident, service.model_name, request["include_usage"]))
-            else:
-                self._complete(job, first, chunks(ident, service.model_name, False))
-
-        def _other_method(self):
-            if self._read_body() is not None:
-                self._json(405, error_body(f"{self.command} is not allowed on {self.path}", code="method_not_allowed"),
-                           {"Allow": "GET, POST"})
-
-        do_PUT = do_PATCH = do_DELETE = _other_method
-
-        def _read_body(self) -> bytes | None:
-            """Read the whole body (Content-Length or chunked) into self.body; None once an error was answered."""
-            try:
-                self.body = self._body_bytes()
-                return self.body
-            except BodyError as err:
-                self.close_connection = True  # the rest of the body is still on the wire
-                self._json(err.status, error_body(str(err)), {"Connection": "close"})
-                return None
-
-        def _body_bytes(self) -> bytes:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                parts, size = [], 0
-                while (length := self._chunk_size()) > 0:
-                    size += length
-                    if size > MAX_BODY:
-                        raise BodyError(413, f"the body is over {MAX_BODY} bytes")
-                    parts.append(self.rfile.read(length))
-                    self.rfile.readline()
-                while self.rfile.readline().strip():  # trailers
-                    pass
-                return b"".join(parts)
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                raise BodyError(400, "Content-Length is not a number") from None
-            if length < 0 or length > MAX_BODY:
-                raise BodyError(413, f"the body is over {MAX_BODY} bytes")
-            return self.rfile.read(length)
-
-        def _chunk_size(self) -> int:
-            line = self.rfile.readline(1024)
-            try:
-                return int(line.split(b";")[0].strip(), 16)
-            except ValueError:
-                raise BodyError(400, f"bad chunk size line {line[:40]!r}") from None
-
-        def _generation_failed(self, err: Exception):
-            if isinstance(err, ValueError):  # e.g. a prompt that encodes to no tokens
-                self._json(400, error_body(str(err)))
-            else:
-                self._json(500, error_body(f"generation failed: {err}", "server_error"))
-
-        def _complete(self, job: Job, event, chunks):
-            while event is not _DONE:
-                if isinstance(event, Exception):
-                    self._generation_failed(event)
-                    while job.events.get() is not _DONE:
-                        pass
-                    return
-                if not isinstance(event, str):
-                    result = event
-                event = job.events.get()
-            self._json(200, chunks.whole(result.text, result))
-
-        def _stream(self, job: Job, event, chunks):
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-            for payload in chunks.opening():
-                self._event(payload)
-            while event is not _DONE:
-                if isinstance(event, Exception):
-                    self._event(error_body(f"generation failed: {event}", "server_error"))
-                elif isinstance(event, str):
-                    self._event(chunks.piece(event))
-                else:
-                    for payload in chunks.closing(event):
-                        self._event(payload)
-                event = job.events.get()
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-
-        def _event(self, payload: dict):
-            self.wfile.write(f"data: {json.dumps(payload)}\n\n".encode())
-            self.wfile.flush()
-
-        def _json(self, status: int, payload: dict, headers: dict[str, str] | None = None):
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for name, value in (headers or {}).items():
-                self.send_header(name, value)
-            self.end_headers()
-            self.wfile.write(body)
-
-    return Handler
+                for payload in chunks.closing(event):
+                    yield _sse(payload)
+            event = await job.events.get()
+        yield _sse("[DONE]")
+    finally:
+        job.cancelled.set()  # a no-op after _DONE; after a disconnect it frees the model at the next token
 
 
 # --------------------------------------------------------------------------- responses
@@ -537,11 +692,54 @@ class ChatChunks(CompletionChunks):
                 "model": self.model_name}
 
 
-def make_server(model, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 4, model_name: str | None = None):
-    """A ready ThreadingHTTPServer (call serve_forever); port 0 picks a free one."""
-    package_dir = getattr(model, "package_dir", None)
-    template = ChatTemplate.load(package_dir / "model") if package_dir is not None else None
-    service = CompletionService(model, model_name or model.manifest.name, max_queue, template)
-    server = ThreadingHTTPServer((host, port), make_handler(service))
-    server.service = service
-    return server
+
+
+class BackgroundServer:
+    """A uvicorn server on a socket bound now (port 0 picks a free one): `serve_forever` blocks,
+    `shutdown` stops it from another thread. For the CLI and for tests that serve in a thread."""
+
+    def __init__(self, model, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+                 model_name: str | None = None, log_requests: bool = False):
+        import uvicorn  # lazy: only serving needs it
+
+        self.app = create_app(model, max_queue=max_queue, model_name=model_name)
+        self.service = self.app.state.service
+        self.socket = socket.create_server((host, port), reuse_port=False)
+        self.server_address = self.socket.getsockname()[:2]
+        config = uvicorn.Config(self.app, log_level="info" if log_requests else "warning", access_log=False,
+                                timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, limit_concurrency=MAX_CONNECTIONS,
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.stopped = threading.Event()
+        if log_requests:
+            logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+            access_log.setLevel(logging.INFO)
+
+    def serve_forever(self) -> None:
+        try:
+            self.server.run(sockets=[self.socket])
+        finally:
+            self.stopped.set()
+
+    def shutdown(self, timeout_s: float = 10) -> None:
+        self.server.should_exit = True
+        self.stopped.wait(timeout_s)
+
+    def server_close(self) -> None:
+        self.socket.close()
+
+
+def make_server(model, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+                model_name: str | None = None) -> BackgroundServer:
+    """A ready server (call serve_forever); port 0 picks a free one. Kept for callers that serve in a thread."""
+    return BackgroundServer(model, host, port, max_queue, model_name)
+
+
+def run_server(model, *, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 16,
+               model_name: str | None = None, log_requests: bool = True) -> None:
+    """Serve `model` until interrupted (uvicorn; one access-log line per request when `log_requests`)."""
+    server = BackgroundServer(model, host, port, max_queue, model_name, log_requests)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()

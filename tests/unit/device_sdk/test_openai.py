@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from device_sdk.chat import ChatTemplate
 from device_sdk.runtime import ElasticModel, Sampling
@@ -40,7 +45,7 @@ def model(package) -> ElasticModel:
 
 @pytest.fixture(scope="module")
 def port(model):
-    with serving(model, max_queue=2) as free_port:
+    with serving(model, max_queue=16) as free_port:
         yield free_port
 
 
@@ -137,9 +142,9 @@ def test_sampling_nucleus_keeps_only_the_top_tokens():
 
 
 @pytest.mark.parametrize(("call", "named"), [
-    (lambda c: c.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}], n=2), "n"),
-    (lambda c: c.completions.create(model="t", prompt="a", logprobs=2, echo=True), "echo, logprobs"),
-    (lambda c: c.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}],
+    (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], n=2), "n"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", logprobs=2, echo=True), "echo, logprobs"),
+    (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}],
                                          tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
 ])
 def test_openai_unsupported_parameters_are_named_in_a_400(client, call, named):
@@ -152,26 +157,26 @@ def test_openai_unsupported_parameters_are_named_in_a_400(client, call, named):
 
 def test_openai_bad_chats_are_400(client):
     with pytest.raises(openai.BadRequestError) as template_refused:  # the template's own raise_exception
-        client.chat.completions.create(model="t", messages=[{"role": "assistant", "content": "a"}])
+        client.chat.completions.create(model="tiny", messages=[{"role": "assistant", "content": "a"}])
     assert "a chat starts with the user" in template_refused.value.message
     with pytest.raises(openai.BadRequestError) as bad_role:
-        client.chat.completions.create(model="t", messages=[{"role": "tool", "content": "a", "tool_call_id": "1"}])
+        client.chat.completions.create(model="tiny", messages=[{"role": "tool", "content": "a", "tool_call_id": "1"}])
     assert bad_role.value.param == "messages[0].tool_call_id"
     with pytest.raises(openai.BadRequestError) as bad_stop:
-        client.completions.create(model="t", prompt="a", stop=[""])
+        client.completions.create(model="tiny", prompt="a", stop=[""])
     assert bad_stop.value.param == "stop"
 
 
 def test_keep_must_end_the_prompt_and_is_for_completions_only(client):
     """`keep` (the prompt's end that compression leaves whole) is an extension of /v1/completions."""
-    served = client.completions.create(model="t", prompt="a passage. Question: why?", max_tokens=2,
+    served = client.completions.create(model="tiny", prompt="a passage. Question: why?", max_tokens=2,
                                        extra_body={"keep": " Question: why?"})
     assert served.choices[0].text
     with pytest.raises(openai.BadRequestError) as not_the_end:
-        client.completions.create(model="t", prompt="a passage", max_tokens=2, extra_body={"keep": "why?"})
+        client.completions.create(model="tiny", prompt="a passage", max_tokens=2, extra_body={"keep": "why?"})
     assert not_the_end.value.param == "keep"
     with pytest.raises(openai.BadRequestError) as on_chat:
-        client.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}], extra_body={"keep": "a"})
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}], extra_body={"keep": "a"})
     assert on_chat.value.code == "unsupported_parameter" and on_chat.value.param == "keep"
 
 
@@ -180,7 +185,7 @@ def test_a_package_without_a_chat_template_refuses_chat(tmp_path):
     with serving(ElasticModel.load(path, allow_unsigned=True)) as free_port:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0)
         with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="t", messages=[{"role": "user", "content": "a"}])
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}])
         assert "no chat template" in refused.value.message
 
 
@@ -214,6 +219,134 @@ def test_chunked_bodies_are_read_whole_and_a_bad_one_closes_the_connection(port)
     connection.putheader("Transfer-Encoding", "chunked")
     connection.endheaders(b"zz\r\n{}\r\n0\r\n\r\n")
     bad = connection.getresponse()
-    assert bad.status == 400 and "chunk size" in json.loads(bad.read())["error"]["message"]
-    assert bad.getheader("Connection") == "close"
+    assert bad.status == 400 and bad.getheader("Connection") == "close"  # uvicorn's parser refuses the chunk size
     connection.close()
+
+
+def _post(port: int, body: bytes) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    answer = connection.getresponse()
+    status, payload = answer.status, json.loads(answer.read())
+    connection.close()
+    return status, payload
+
+
+@pytest.mark.parametrize(("body", "says"), [
+    (b'{"prompt": "\\ud800 lone", "max_tokens": 2}', "lone surrogate"),
+    (b'{"prompt": "a", "slo": {"ttft_ms": NaN}}', "finite"),
+    (b'{"prompt": "a", "slo": {"tpot_ms": Infinity}}', "finite"),
+    (b'{"prompt": "a", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+])
+def test_hostile_bodies_are_400(port, body, says):
+    status, payload = _post(port, body)
+    assert status == 400 and says in payload["error"]["message"]
+
+
+def test_models_list_every_level_and_model_selects_one(client):
+    listed = {m.id: m.model_extra["elastify"] for m in client.models.list().data}
+    assert listed == {"tiny": {"level": None, "usable": True},
+                      **{f"tiny@{name}": {"level": name, "usable": True} for name in ("0.25", "0.5", "0.75", "1.0")}}
+    raw = client.completions.with_raw_response.create(model="tiny@0.5", prompt="hello", max_tokens=3)
+    assert raw.parse().model_extra["elastify"]["level"] == "0.5"
+    assert raw.headers["X-Elastify-Level"] == "0.5" and raw.headers["X-Elastify-Prompt-Ratio"] == "1.0"
+    by_extension = client.completions.create(model="tiny", prompt="hello", max_tokens=3, extra_body={"level": "0.75"})
+    assert by_extension.model_extra["elastify"]["level"] == "0.75"
+    for unknown in ("other", "tiny@0.3"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model=unknown, prompt="hello", max_tokens=3)
+        assert missing.value.code == "model_not_found" and missing.value.param == "model"
+
+
+def test_sixteen_concurrent_streams_all_finish(port):
+    many = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=120)
+
+    def stream(index: int) -> str:
+        chunks = many.completions.create(model="tiny", prompt=f"hello {index}", max_tokens=4, stream=True)
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(stream, range(16)))
+    assert len(texts) == 16 and all(texts)
+
+
+def test_metrics_parse_and_count_tokens_by_level(port, client):
+    client.completions.create(model="tiny@0.5", prompt="hello", max_tokens=3, extra_body={"slo": {"ttft": 10}})
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/metrics")
+    families = {f.name: f for f in text_string_to_metric_families(connection.getresponse().read().decode())}
+    connection.close()
+    tokens = {s.labels["level"]: s.value for s in families["elastify_generated_tokens"].samples
+              if s.name.endswith("_total")}
+    assert tokens["0.5"] >= 3
+    assert {"elastify_ttft_seconds", "elastify_tpot_seconds", "elastify_slo", "elastify_queue_depth",
+            "elastify_requests"} <= set(families)
+
+
+class GatedModel:
+    """The real model behind a gate (generation waits until it opens) that counts the pieces it streamed."""
+
+    def __init__(self, model):
+        self.model, self.gate, self.pieces, self.started = model, threading.Event(), [], threading.Semaphore(0)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def generate(self, *args, **kwargs):
+        self.started.release()
+        self.gate.wait(60)
+        return CountedStream(self.model.generate(*args, **kwargs), self.pieces)
+
+
+class CountedStream:
+    def __init__(self, stream, pieces: list):
+        self.stream, self.pieces, self.result = stream, pieces, None
+
+    def __iter__(self):
+        for piece in self.stream:
+            self.pieces.append(piece)
+            yield piece
+        self.result = self.stream.result
+
+
+def test_a_full_queue_is_429_with_retry_after(model):
+    gated = GatedModel(model)
+    with serving(gated, max_queue=1) as free_port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(client.completions.create, model="tiny", prompt="a", max_tokens=2)
+            assert gated.started.acquire(timeout=30)  # the first request holds the model
+            waiting = pool.submit(client.completions.create, model="tiny", prompt="b", max_tokens=2)
+            for _ in range(600):  # until the second request sits in the queue
+                if _queued(free_port) == 1:
+                    break
+                time.sleep(0.05)
+            with pytest.raises(openai.RateLimitError) as refused:
+                client.completions.create(model="tiny", prompt="c", max_tokens=2)
+            assert refused.value.response.headers["Retry-After"] == "1"
+            gated.gate.set()
+            assert running.result().choices[0].text and waiting.result().choices[0].text  # both were served
+
+
+def _queued(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    connection.request("GET", "/health")
+    depth = json.loads(connection.getresponse().read())["queue"]
+    connection.close()
+    return depth
+
+
+def test_a_client_that_disconnects_frees_its_slot(model):
+    gated = GatedModel(model)
+    gated.gate.set()
+    with serving(gated, max_queue=1) as free_port:
+        connection = http.client.HTTPConnection("127.0.0.1", free_port, timeout=60)
+        body = json.dumps({"model": "tiny", "prompt": "a", "max_tokens": 4096, "min_tokens": 4096, "stream": True})
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        assert answer.status == 200 and answer.read(6) == b"data: "
+        connection.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+        connection.close()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0, timeout=60)
+        assert client.completions.create(model="tiny", prompt="b", max_tokens=2).usage.completion_tokens == 2
+        assert len(gated.pieces) < 4096 + 2  # the abandoned generation stopped early
