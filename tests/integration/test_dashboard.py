@@ -10,7 +10,9 @@ import threading
 import time
 from datetime import UTC, datetime
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.app import ServerThread, create_app
 from api.auth import create_token
@@ -29,6 +31,13 @@ CHROMIUM_FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1280,1000"]
 TYPES = ["first", "second", "third"]
+
+
+def gpu_seconds_served(url: str, stage_type: str) -> float:
+    """elastify_gpu_seconds_total of one stage type, as Prometheus would scrape it."""
+    families = text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    return sum(s.value for f in families if f.name == "elastify_gpu_seconds" for s in f.samples
+               if s.name.endswith("_total") and s.labels["stage_type"] == stage_type)
 
 
 def three_sleeps(first: float, rest: float = 0.3) -> dict:
@@ -118,6 +127,11 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
             browser.get(f"{server.url}/dashboard#token={admin}&refresh=1000")
             assert admin not in browser.current_url  # the page drops the token from the address bar
             live = wait_for(lambda: table_rows(browser).get(running), what="the running build listed")
+            # Mid-stage, /metrics already charges the running attempt (from its progress events): the GPU-seconds
+            # counter of its stage type passes what the finished attempts' rows hold.
+            ended = {r["stage_type"]: r["gpu_seconds"] for r in everyone.usage(group_by=["stage_type"])["rows"]}
+            wait_for(lambda: gpu_seconds_served(server.url, "first") > ended["first"] and everyone.build(running)[
+                "status"] == "running", what="GPU-seconds advancing while the stage runs")
             assert live["status"] == "running" and live["progress"] < 1
             wait_for(lambda: everyone.build(running)["status"] == "succeeded", what="the third build finishing")
             usage_by_day = everyone.usage(group_by=["day", "stage_type"])
