@@ -333,7 +333,7 @@ def export_hf(package_dir: Path, out_dir: Path, *, level: Level | float | str | 
             if source.is_file():
                 shutil.copyfile(source, stage / filename)
         if not merge and selection.adapter is not None:
-            write_peft_adapter(manifest, selection, stage / PEFT_DIR)
+            write_peft_adapter(manifest, selection, stage / PEFT_DIR, base=out_dir)  # the final path, not the stage
         write_mark(stage, "hf", manifest, selection.label)
     return out_dir
 
@@ -341,9 +341,10 @@ def export_hf(package_dir: Path, out_dir: Path, *, level: Level | float | str | 
 # --------------------------------------------------------------------------- peft
 
 
-def write_peft_adapter(manifest: Manifest, selection: Selection, out_dir: Path) -> Path:
+def write_peft_adapter(manifest: Manifest, selection: Selection, out_dir: Path, base: Path | None = None) -> Path:
     """The selection's recovery adapter as a peft LoRA adapter (adapter_config.json and
-    adapter_model.safetensors) for the selection's HF export: peft key names, the export's shapes."""
+    adapter_model.safetensors) for the selection's HF export: peft key names, the export's shapes.
+    `base`: that export's directory, named as the adapter's base_model_name_or_path (None: not written yet)."""
     if selection.adapter is None:
         raise ExportError(f"{selection.label} has no recovery adapter")
     from safetensors import safe_open
@@ -374,7 +375,8 @@ def write_peft_adapter(manifest: Manifest, selection: Selection, out_dir: Path) 
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
         "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-        "use_rslora": False, "inference_mode": True, "base_model_name_or_path": None,
+        "use_rslora": False, "inference_mode": True,
+        "base_model_name_or_path": None if base is None else str(base.resolve()),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "adapter_model.safetensors"), metadata={"format": "pt"})

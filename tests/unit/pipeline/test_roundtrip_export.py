@@ -99,6 +99,8 @@ def test_unmerged_export_with_its_peft_adapter_equals_the_sdk(package, sdk, tmp_
     for level in ("0.5", "1.0"):
         sdk.set_level(level)
         out = export_hf(package, tmp_path / level, level=level, merge=False)
+        adapter_config = json.loads((out / PEFT_DIR / "adapter_config.json").read_text())
+        assert adapter_config["base_model_name_or_path"] == str(out.resolve())  # the adapter names its base
         base = load_hf(out, trust_remote_code=True)
         without_lora = hf_logits(base)
         model = PeftModel.from_pretrained(base, out / PEFT_DIR).eval()
