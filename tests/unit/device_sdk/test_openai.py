@@ -350,3 +350,12 @@ def test_a_client_that_disconnects_frees_its_slot(model):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0, timeout=60)
         assert client.completions.create(model="tiny", prompt="b", max_tokens=2).usage.completion_tokens == 2
         assert len(gated.pieces) < 4096 + 2  # the abandoned generation stopped early
+
+
+def test_a_level_the_report_card_marks_unusable_is_listed_with_the_flag(package):
+    flagged = ElasticModel.load(package, allow_unsigned=True)
+    flagged.manifest.elastic.levels[0].usable = False  # as a report card that failed level 0.25 writes it
+    with serving(flagged) as free_port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{free_port}/v1", api_key="-", max_retries=0)
+        listed = {m.id: m.model_extra["elastify"]["usable"] for m in client.models.list().data}
+    assert listed["tiny@0.25"] is False and listed["tiny@0.5"] is True
