@@ -489,27 +489,9 @@ def serve_command(
     if (drift_quantile, drift_headroom) != (Drift.quantile, SERVING_HEADROOM):
         # reads (or measures) the profile now rather than at the first SLO
         model.latency_profile.drift = Drift(quantile=drift_quantile, headroom=drift_headroom)
-    try:
-        from device_sdk.serve import run_server  # lazy: torch, kept off verify/trust/pull
-    except ImportError:  # the stdlib server, until serve.py's FastAPI rewrite provides run_server
-        _serve_with_make_server(model, host, port, max_queue)
-        return
+    from device_sdk.serve import run_server  # lazy: torch and FastAPI, kept off verify/trust/pull
+
     run_server(model, host=host, port=port, max_queue=max_queue, model_name=model_name, log_requests=log_requests)
-
-
-def _serve_with_make_server(model, host: str, port: int, max_queue: int) -> None:
-    from device_sdk.serve import make_server  # lazy: torch, kept off verify/trust/pull
-
-    server = make_server(model, host, port, max_queue)
-    base = f"http://{host}:{server.server_address[1]}/v1"
-    chat = f" and {base}/chat/completions" if server.service.chat_template else " (no chat template in the package)"
-    print(f"serving {model.manifest.name} {model.manifest.version} on {base}/completions{chat}", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
 
 
 @app.command("export")

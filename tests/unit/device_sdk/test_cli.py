@@ -122,8 +122,7 @@ def test_serve_passes_its_options_to_run_server(gqa_package, monkeypatch):
     from device_sdk import serve
 
     served = {}
-    monkeypatch.setattr(serve, "run_server", lambda model, **options: served.update(options, model=model),
-                        raising=False)  # raising=False: also before serve.py provides run_server
+    monkeypatch.setattr(serve, "run_server", lambda model, **options: served.update(options, model=model))
     assert device_cli(["serve", str(gqa_package), "--public-key", KEY, "--port", "0", "--max-queue", "2",
                        "--model-name", "tiny-chat", "--no-log-requests", "--drift-quantile", "off"]) == 0
     assert served.pop("model").latency_profile.drift.quantile is None
