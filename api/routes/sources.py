@@ -9,13 +9,21 @@ The body is streamed to a temporary file (never held in memory) and refused with
 as an artifact at `sources/<tenant>/<digest>`, where the digest is that of the artifact's index (the
 content, file names included). The same content again is the same upload (200). Uploads count
 against the tenant's `ELASTIFY_UPLOAD_QUOTA_BYTES` (429 beyond it).
+
+Each upload's scratch directory (`elastify-upload-*` in the temp dir) is flock'ed while in use; a process
+killed mid-body leaves its directory unlocked, and the next upload (or a failed one) sweeps such leftovers.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import shutil
 import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path as FilePath
 from typing import Annotated
 
@@ -38,6 +46,44 @@ from workers.store import artifact_index
 
 router = APIRouter(prefix="/v1/sources", tags=["sources"])
 ACCEPTED = sorted({*ARCHIVES, SINGLE_FILE})
+SCRATCH_PREFIX = "elastify-upload-"
+# A directory this young may be one mkdtemp just made, not yet locked by its owner: leave it alone.
+SCRATCH_GRACE_S = 60.0
+
+
+@contextmanager
+def upload_scratch() -> Iterator[FilePath]:
+    """A scratch directory held under an exclusive flock until the upload is done, then removed."""
+    scratch = FilePath(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    held = os.open(scratch, os.O_RDONLY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield scratch
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.close(held)
+
+
+def sweep_upload_scratch(root: FilePath | None = None, grace_s: float = SCRATCH_GRACE_S) -> int:
+    """Remove the scratch directories no live upload holds (their process died mid-body); how many."""
+    removed = 0
+    for path in FilePath(root or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*"):
+        try:
+            if time.time() - path.stat().st_mtime < grace_s:
+                continue
+            probe = os.open(path, os.O_RDONLY)
+        except OSError:  # gone already, or not ours to open
+            continue
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live upload holds it
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(probe)
+    return removed
 
 
 class UploadOut(Schema):
@@ -90,8 +136,8 @@ async def upload_source(
     with sessions(request)() as session:  # refuse early what cannot fit; checked again under a lock at the end
         check_upload_quota(session, caller.tenant, int(declared) if declared.isdigit() else 0,
                            settings.upload_quota_bytes)
-    scratch = FilePath(tempfile.mkdtemp(prefix="elastify-upload-"))
-    try:
+    await run_in_threadpool(sweep_upload_scratch)  # what uploads killed mid-body left behind
+    with upload_scratch() as scratch:
         body, received = scratch / "body", 0
         with open(body, "wb") as out:
             async for chunk in request.stream():
@@ -103,8 +149,6 @@ async def upload_source(
             raise ProblemError(422, "the upload is empty", kind="invalid-upload")
         row, created = await run_in_threadpool(_store_upload, request, caller.tenant, body, media, name,
                                                scratch / "unpacked")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     if not created:
         response.status_code = 200
     return _out(row)
