@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
-from starlette.concurrency import run_in_threadpool
 
 from api.problems import ProblemError
 from api.routes import problems
@@ -17,11 +19,28 @@ from api.schemas import Health, Readiness, SigningKey
 from cluster.settings import SettingsError
 
 router = APIRouter(tags=["health"])
+# Readiness checks run on threads of their own, never on the shared pool that sync routes use: a frozen
+# store then blocks at most these few threads, and /healthz and /v1/builds keep answering.
+READY_CHECK_THREADS = 4
+READY_CHECK_TIMEOUT_S = 2.0
+_ready_pool = ThreadPoolExecutor(READY_CHECK_THREADS, thread_name_prefix="elastify-readyz")
+# At most one run of each check at a time: concurrent /readyz share it, so a frozen store holds one
+# thread, not all of them, and the other checks still get theirs.
+_in_flight: dict[Callable[[], str], Future] = {}
+_in_flight_lock = threading.Lock()
+
+
+def _shared_run(check: Callable[[], str]) -> Future:
+    with _in_flight_lock:
+        running = _in_flight.get(check)
+        if running is None or running.done():
+            running = _in_flight[check] = _ready_pool.submit(check)
+        return running
 
 
 @router.get("/healthz", response_model=Health)
-def healthz() -> dict:
-    """The process is up (no dependencies are checked)."""
+async def healthz() -> dict:
+    """The process is up (no dependencies are checked, and no thread is needed: it answers on the loop)."""
     return {"status": "ok"}
 
 
@@ -66,12 +85,19 @@ def ray_check(address: str) -> Callable[[], str]:
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness, "description": "a check failed"}})
 async def readyz(request: Request):
     """Ready to serve: the database, the artifact store and Ray each answer."""
-    results = {}
-    for name, check in request.app.state.ready_checks.items():
+    async def outcome(check) -> dict:
         try:
-            results[name] = {"ok": True, "detail": await run_in_threadpool(check)}
+            run = asyncio.wrap_future(_shared_run(check))
+            detail = await asyncio.wait_for(asyncio.shield(run), READY_CHECK_TIMEOUT_S)
+            return {"ok": True, "detail": detail}
+        except TimeoutError:
+            return {"ok": False, "detail": f"no answer within {READY_CHECK_TIMEOUT_S:g} s"}
         except Exception as err:  # any failure means not ready; say which and why
-            results[name] = {"ok": False, "detail": f"{type(err).__name__}: {err}"[:500]}
+            return {"ok": False, "detail": f"{type(err).__name__}: {err}"[:500]}
+
+    checks = request.app.state.ready_checks
+    answers = await asyncio.gather(*(outcome(check) for check in checks.values()))
+    results = dict(zip(checks, answers, strict=True))
     ready = all(r["ok"] for r in results.values())
     body = Readiness(status="ready" if ready else "not ready", checks=results)
     return JSONResponse(body.model_dump(), status_code=200 if ready else 503)
