@@ -138,3 +138,8 @@ def test_good_input_writes_a_package_and_the_console_script_exits_nonzero_on_bad
     )
     assert bad.returncode != 0 and "strictly increasing" in bad.stdout + bad.stderr
     assert not (tmp_path / "out2").exists()
+
+
+def test_elastify_has_a_version():
+    done = CliRunner().invoke(app, ["--version"])
+    assert done.exit_code == 0 and done.output.startswith("elastify 0.1")

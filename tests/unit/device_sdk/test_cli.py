@@ -10,7 +10,6 @@ import json
 import logging
 
 import pytest
-from typer.testing import CliRunner
 
 from device_sdk.cli import main as device_cli
 from device_sdk.trust import TRUST_STORE_ENV
@@ -64,13 +63,6 @@ def test_device_cli_table(gqa_package, invocation, code, says, capsys):
     else:
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
-
-
-def test_elastify_has_a_version():
-    from api.cli import app
-
-    done = CliRunner().invoke(app, ["--version"])
-    assert done.exit_code == 0 and done.output.startswith("elastify 0.1")
 
 
 def test_generate_json_reads_the_prompt_from_stdin_or_a_file_and_says_slo_met_only_with_an_slo(
