@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from device_sdk.cli import main as device_cli
 from device_sdk.latency import SLO, Decision, LatencyProfile, profile_path
 from device_sdk.runtime import ElasticModel, Sampling
-from device_sdk.serve import make_server, parse_slo
+from device_sdk.serve import parse_slo
 from tests.support.sdk_packages import fixed_profile_model, public_bytes, serving, signing_key
 
 KEY = signing_key()
@@ -311,43 +310,3 @@ def test_sdk_serve_min_tokens_lets_an_answer_be_empty_only_when_asked(serving, m
     assert status == 200 and json.loads(body)["choices"][0]["text"]
 
 
-class BlockingModel:
-    """Stands in for a model whose generation takes until the test releases it."""
-
-    def __init__(self):
-        self.release = threading.Event()
-        self.started = threading.Semaphore(0)
-        self.level = "1.0"
-
-    def generate(self, prompt, slo=None, max_new_tokens=16, stream=False, **sampling_and_stop):
-        self.started.release()
-        self.release.wait(30)
-        raise RuntimeError("released")
-
-
-def test_sdk_serve_queue_is_bounded():
-    model = BlockingModel()
-    server = make_server(model, port=0, max_queue=1, model_name="blocking")
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    port = server.server_address[1]
-    try:
-        results = []
-        running = threading.Thread(target=lambda: results.append(post(port, {"prompt": "a"})))
-        running.start()
-        assert model.started.acquire(timeout=30)  # the first request holds the model
-        waiting = threading.Thread(target=lambda: results.append(post(port, {"prompt": "b"})))
-        waiting.start()
-        for _ in range(600):  # until the second request sits in the queue
-            if server.service.jobs.qsize() == 1:
-                break
-            threading.Event().wait(0.05)
-        status, body = post(port, {"prompt": "c"})
-        assert status == 503 and "queue is full" in json.loads(body)["error"]["message"]
-        model.release.set()
-        running.join(30)
-        waiting.join(30)
-        assert sorted(s for s, _ in results) == [500, 500]  # both queued requests were served
-    finally:
-        model.release.set()
-        server.shutdown()
-        server.server_close()
