@@ -59,6 +59,7 @@ def create_app(settings: Settings, registry: Registry | None = None, *,
         "store": health.store_check(app.state.store),
         "ray": health.ray_check(settings.ray_address),
     }
+    sources.sweep_upload_scratch()  # what uploads killed mid-body (with an earlier server) left in the temp dir
     problems.install(app)
     # POST /v1/sources streams its body to disk and applies ELASTIFY_MAX_UPLOAD_BYTES itself.
     app.add_middleware(problems.BodyLimit, limit=max_body_bytes, streamed=("/v1/sources",))
