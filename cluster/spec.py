@@ -28,7 +28,9 @@ from pydantic import (
     field_validator,
     model_serializer,
 )
+from sqlalchemy import select
 
+from cluster.models import Build, Package
 from device_sdk.format import DEFAULT_LEVELS, canonical_json
 from pipeline.settings import DEFAULT_CALIBRATION, MAX_FILES, Levels
 
@@ -235,10 +237,6 @@ def published_build(session, publish: PublishSpec, tenant: str) -> str | None:
 
     A published version is immutable (its manifest is signed and pinned by devices), so a second build of
     it is refused at submit rather than after hours of compute, at publish."""
-    from sqlalchemy import select
-
-    from cluster.models import Build, Package
-
     return session.scalar(select(Package.build_id).join(Build, Build.id == Package.build_id).where(
         Package.name == publish.name, Package.version == publish.version, Build.tenant_id == tenant))
 
