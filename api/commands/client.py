@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
@@ -22,7 +24,7 @@ from rich.table import Table
 from api.progress import console, fail, progress_bars
 from device_sdk.cli import download_bar
 from device_sdk.client import DEFAULT_SERVER, ElastifyAPIError, ElastifyClient
-from device_sdk.format import PackageError
+from device_sdk.format import PackageError, atomic_write_bytes
 from device_sdk.registry import pull, read_local_state
 from device_sdk.trust import TrustStore
 
@@ -227,10 +229,12 @@ def logs(
                 console.print(f"build {event.json()['status']}")
                 return
             data = event.json()
-            if data["kind"] == "progress":
-                continue  # the plain log keeps the lines; progress is for bars (`submit --follow`)
             stage = f" [{data['stage']}]" if data.get("stage") else ""
-            print(f"{str(data['time'])[:19]}{stage} {data['message']}", flush=True)
+            line = f"{str(data['time'])[:19]}{stage} {data['message']}"
+            if data["kind"] == "progress":  # one line per report; `submit --follow` draws them as bars
+                done = data.get("data") or {}
+                line += f" {done.get('done')}/{done.get('total')}"
+            print(line, flush=True)
 
 
 # --------------------------------------------------------------------------- packages
@@ -344,6 +348,78 @@ def aliases_set(name: str, alias: str, version: str, server: Server = "", token:
     console.print(f"{moved['name']} {moved['alias']} → {moved['version']}")
 
 
+# --------------------------------------------------------------------------- init
+
+SPEC_TEMPLATE = """\
+# A build spec for {label} ({family}: {layers} layers, hidden size {hidden}, {heads} attention heads,
+# {kv_heads} key/value heads, vocabulary {vocab}). Written by `elastify init`; see examples/builds/ for more.
+#   elastify submit {out} --follow
+source:
+  # The model as this machine sees it: a server reads it under its source roots, or upload it first
+  # (`elastify sources upload DIR`) and put the printed upload:<digest> here.
+  model: {model}
+# quick: profile, elastify, a short recovery, evaluate; default: the whole ElastiLM chain; full: plus experts and export
+preset: {preset}
+levels: [0.5, 0.7, 1.0]  # fractions of the model kept; 1.0 is the full model
+stages: {{}}  # per-stage enabled/settings/resources, over the preset: e.g. recover: {{settings: {{steps: 48}}}}
+publish:
+  name: {name}
+  version: 0.1.0  # a version already published is refused (409): bump it for every build
+"""
+
+
+def resolve_model(model: str, cache_dir: Path | None = None) -> Path:
+    """A model directory: `model` itself if it is one, else a Hub id looked up in the local Hugging Face
+    cache only (never downloaded); a ValueError names the cache directory searched."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    searched = Path(cache_dir or constants.HF_HUB_CACHE)
+    try:
+        return Path(snapshot_download(model, cache_dir=searched, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ValueError(f"{model} is neither a model directory nor a model in the Hugging Face cache "
+                         f"{searched} (only the local cache is searched: download it there first)") from None
+
+
+def init(
+    model: Annotated[str, typer.Argument(help="a model directory, or a Hub id already in the local HF cache")],
+    preset: Annotated[str, typer.Option(help="quick, default or full")] = "quick",
+    out: Annotated[Path, typer.Option("--out", "-o", help="where to write the spec")] = Path("spec.yaml"),
+    cache_dir: Annotated[Path | None, typer.Option(envvar="HF_HUB_CACHE", show_default=False,
+                                                   help="the Hugging Face cache to search")] = None,
+    force: Annotated[bool, typer.Option(help="overwrite OUT")] = False,
+) -> None:
+    """Write a commented build spec for MODEL, its family and shape read from its config.json."""
+    # lazy: the CLI starts without the control plane (SQLAlchemy models); init loads it when it runs
+    from cluster.spec import Preset, parse_spec
+
+    if preset not in typing.get_args(Preset):
+        fail(f"--preset must be one of {', '.join(typing.get_args(Preset))}, not {preset!r}")
+    if out.exists() and not force:
+        fail(f"{out} exists; pass --force to overwrite it")
+    try:
+        directory = resolve_model(model, cache_dir)
+        config = json.loads((directory / "config.json").read_text())
+    except ValueError as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot read {directory / 'config.json'}: {err.strerror}")
+    name = re.sub(r"[^a-z0-9._-]+", "-", model.rstrip("/").rsplit("/", 1)[-1].lower()).strip("-._")[:120] or "model"
+    text = SPEC_TEMPLATE.format(
+        label=model, family=config.get("model_type", "unknown family"), layers=config.get("num_hidden_layers", "?"),
+        hidden=config.get("hidden_size", "?"), heads=config.get("num_attention_heads", "?"),
+        kv_heads=config.get("num_key_value_heads", config.get("num_attention_heads", "?")),
+        vocab=config.get("vocab_size", "?"), out=out, model=json.dumps(str(directory)), preset=preset,
+        name=f"{name}-elastic")
+    parse_spec(text)  # what init writes is a valid spec
+    atomic_write_bytes(out, text.encode())
+    console.print(f"wrote {out} for {directory}")
+
+
 # --------------------------------------------------------------------------- usage
 
 
@@ -428,6 +504,7 @@ def sources_list(as_json: AsJSON = False, server: Server = "", token: Token = No
 
 def mount(app: typer.Typer) -> None:
     """Add the REST client commands to the `elastify` CLI."""
+    app.command("init")(init)
     app.command("submit")(submit)
     app.add_typer(builds_app, name="builds")
     app.command("logs")(logs)

@@ -92,6 +92,7 @@ def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, t
         else:
             return
         build_id = new.pop()
+        built.append(build_id)
         with sessions.begin() as session:
             stage = session.scalar(select(Stage).where(Stage.build_id == build_id, Stage.key == "first"))
             for done in (1, 2, 3):
@@ -100,6 +101,7 @@ def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, t
         time.sleep(0.5)
         cancel_build(sessions, build_id)
 
+    built: list[str] = []
     helper = threading.Thread(target=scheduler_stand_in, daemon=True)
     helper.start()
     result = cli("submit", str(spec_file(tmp_path, SPEC.replace("clipkg", "followed"))), "--follow")
@@ -107,6 +109,10 @@ def test_cli_submit_follow_draws_stage_progress_until_the_build_ends(cli, api, t
     assert result.exit_code == 1, result.output  # the build did not succeed
     assert "first: windows" in result.output and "3/3" in result.output  # the stage's progress bar
     assert "cancelled" in result.output and "stages of" in result.output
+    followed = cli("logs", built[0], "--follow")  # the followed log shows each progress report as a line
+    assert followed.exit_code == 0 and [line.split(" [")[-1] for line in followed.stdout.splitlines()
+                                        if "windows" in line] == ["first] windows 1/3", "first] windows 2/3",
+                                                                  "first] windows 3/3"], followed.stdout
 
 
 def test_cli_packages_aliases_and_pull(cli, api, tmp_path):
@@ -234,3 +240,45 @@ def test_submitting_a_published_version_is_a_409_naming_the_field_and_the_cli_sa
     assert refused.status_code == 409 and refused.json()["errors"][0]["field"] == "publish.version", refused.text
     other = httpx.post(f"{api.url}/v1/builds", json=body, headers={"Authorization": f"Bearer {api.token('other')}"})
     assert other.status_code == 409 and "already published" not in other.text  # not told which versions exist
+
+
+def test_cli_init_writes_a_valid_spec_for_a_directory_or_a_cached_hub_id(cli, tmp_path):
+    """init reads the family and shape from config.json; a Hub id resolves in the local HF cache only."""
+    import yaml
+
+    from cluster.spec import parse_spec
+
+    config = {"model_type": "qwen2", "num_hidden_layers": 24, "hidden_size": 896, "num_attention_heads": 14,
+              "num_key_value_heads": 2, "vocab_size": 151936}
+    directory = tmp_path / "qwen"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "from-dir.yaml"
+    written = cli("init", str(directory), "--out", str(out), "--preset", "default")
+    assert written.exit_code == 0, written.output
+    text = out.read_text()
+    assert "qwen2: 24 layers, hidden size 896, 14 attention heads,\n# 2 key/value heads" in text
+    spec = yaml.safe_load(text)
+    assert (spec["source"]["model"], spec["preset"], spec["publish"]["name"]) == (str(directory), "default", "qwen-elastic")
+    parse_spec(text)
+    refused = cli("init", str(directory), "--out", str(out))  # never overwritten unless asked
+    assert refused.exit_code != 0 and "--force" in refused.output and out.read_text() == text
+
+    # The cache's own layout: models--ORG--NAME/refs/main names the snapshot that holds the files.
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "a1b2c3"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(config))
+    (cache / "models--Qwen--Qwen2.5-0.5B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen2.5-0.5B" / "refs" / "main").write_text("a1b2c3")
+    out = tmp_path / "from-hub.yaml"
+    written = cli("init", "Qwen/Qwen2.5-0.5B", "--out", str(out), "--cache-dir", str(cache))
+    assert written.exit_code == 0, written.output
+    spec = yaml.safe_load(out.read_text())
+    assert Path(spec["source"]["model"]).resolve() == snapshot.resolve()
+    assert (spec["preset"], spec["publish"]["name"]) == ("quick", "qwen2.5-0.5b-elastic")
+
+    missing = cli("init", "Qwen/Not-There", "--out", str(tmp_path / "x.yaml"), "--cache-dir", str(cache))
+    assert missing.exit_code == 2 and str(cache) in missing.output and not (tmp_path / "x.yaml").exists()
+    bad = cli("init", str(directory), "--out", str(tmp_path / "y.yaml"), "--preset", "huge")
+    assert bad.exit_code != 0 and "quick" in bad.output
