@@ -9,8 +9,9 @@ repo's elastify settings; embeddings and the LM head counted as `active_params` 
                until the fraction is reached; the last layer removed is thinned instead, so the
                fraction matches within 1%
   torch-pruning  LLM-Pruner's recipe in its own library: Taylor importance over a calibration batch,
-               KV groups (GQA kept legal: q heads pruned with their group) and MLP channels, hidden size
-               untouched, the first 3 and last 2 layers kept (LLM-Pruner keeps blocks outside 4..30 of 32)
+               hidden size untouched, the first 3 and last 2 layers kept (LLM-Pruner prunes blocks 4..30
+               of 32); MLP channels only, because torch-pruning 1.6.1 fails on SmolLM2's GQA head groups
+               (see prune_llm_pruner), so it cuts more MLP than a heads-and-channels run would
 
 Unrecovered, separately pruned ours is ours by construction (the same order, no recovery to nest), so it
 is not a separate row here. Recovery, MC accuracy, repeat-4 and LAMBADA of the recovered rows are not
@@ -85,23 +86,24 @@ def pruned_layers(layers: int) -> list[int]:
     return list(range(LLM_PRUNER_KEEP_FIRST, layers - LLM_PRUNER_KEEP_LAST))
 
 
-def llm_pruner_widths(arch, target: float) -> tuple[list[int], list[int]]:
+def llm_pruner_widths(arch, target: float, heads: bool = True) -> tuple[list[int], list[int]]:
     """Uniform widths over `pruned_layers` at `target`: KV groups cut in proportion (at least one kept,
-    GQA legal), then the MLP width that lands the fraction on `target` (the closest neuron count)."""
+    GQA legal) unless `heads` is False, then the MLP width that lands the fraction on `target` (the
+    closest neuron count). Groups too coarse to land within 1% fall back to the MLP alone."""
     layers = pruned_layers(arch.layers)
     attn, mlp = [arch.kv_heads] * arch.layers, [arch.intermediate] * arch.layers
-    # The share of the target's cut each pruned layer takes, applied to its groups (rounded, ≥ 1).
-    full = fraction_of(arch, attn, mlp)
-    kept_share = 1 - (full - target) / (len(layers) / arch.layers)
-    groups = max(1, min(arch.kv_heads, round(arch.kv_heads * kept_share)))
-    for layer in layers:
-        attn[layer] = groups
+    if heads:  # the share of the cut each pruned layer takes, applied to its groups (rounded, at least 1)
+        full = fraction_of(arch, attn, mlp)
+        kept_share = 1 - (full - target) / (len(layers) / arch.layers)
+        groups = max(1, min(arch.kv_heads, round(arch.kv_heads * kept_share)))
+        for layer in layers:
+            attn[layer] = groups
 
     def at(neurons: int) -> float:
         return fraction_of(arch, attn, [neurons if i in layers else m for i, m in enumerate(mlp)])
 
     neurons = min(range(arch.intermediate + 1), key=lambda n: abs(at(n) - target))
-    if abs(at(neurons) - target) > FRACTION_TOLERANCE:  # groups too coarse: keep heads, cut the MLP only
+    if abs(at(neurons) - target) > FRACTION_TOLERANCE:
         attn = [arch.kv_heads] * arch.layers
         neurons = min(range(arch.intermediate + 1), key=lambda n: abs(at(n) - target))
     return attn, [neurons if i in layers else m for i, m in enumerate(mlp)]
@@ -152,40 +154,30 @@ def prune_llm_pruner(model_dir: Path, arch, target: float, calibration: torch.Te
     started = time.perf_counter()
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     hf.config.use_cache = False
-    attn, mlp = llm_pruner_widths(arch, target)
+    # Heads stay whole: torch-pruning 1.6.1 groups SmolLM2's q_proj (9 heads) with k_proj (3 KV heads) and
+    # fails reshaping their importance (RuntimeError: shape '[9, -1]' is invalid for input of size 192), so
+    # this row is LLM-Pruner's Taylor channel pruning of the MLP only, at the same fraction.
+    attn, mlp = llm_pruner_widths(arch, target, heads=False)
     layers = pruned_layers(arch.layers)
     blocks = hf.model.layers
-    num_heads, ratio_dict, head_ratio_dict = {}, {}, {}
-    for index, block in enumerate(blocks):
-        att = block.self_attn
-        num_heads[att.q_proj] = arch.heads
-        num_heads[att.k_proj] = num_heads[att.v_proj] = arch.kv_heads
-        if index in layers:
-            ratio_dict[block.mlp.gate_proj] = 1 - mlp[index] / arch.intermediate
-            head_ratio_dict[att.k_proj] = 1 - attn[index] / arch.kv_heads
+    ratio_dict = {blocks[i].mlp.gate_proj: 1 - mlp[i] / arch.intermediate for i in layers}
     # The hidden size stays whole (LLM-Pruner's block-wise mode): every module whose output is the
-    # residual stream, and the kept layers, are ignored; torch-pruning then cuts only heads and channels.
+    # residual stream, attention, and the kept layers' MLPs are ignored; only MLP channels are cut.
     ignored = [hf.lm_head, hf.model.embed_tokens]
     for index, block in enumerate(blocks):
-        ignored += [block.self_attn.o_proj, block.mlp.down_proj]
+        ignored += [block.self_attn.o_proj, block.mlp.down_proj, block.self_attn.q_proj, block.self_attn.k_proj,
+                    block.self_attn.v_proj]
         if index not in layers:
-            ignored += [block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj,
-                        block.mlp.gate_proj, block.mlp.up_proj]
+            ignored += [block.mlp.gate_proj, block.mlp.up_proj]
     hf.zero_grad()
     for window in calibration:
         hf(input_ids=window[None], labels=window[None]).loss.backward()
     pruner = tp.pruner.MetaPruner(
         hf, example_inputs=calibration[:1], importance=tp.importance.TaylorImportance(),
-        pruning_ratio=0.0, pruning_ratio_dict=ratio_dict, ignored_layers=ignored, num_heads=num_heads,
-        prune_num_heads=True, prune_head_dims=False, head_pruning_ratio_dict=head_ratio_dict,
-        out_channel_groups={block.self_attn.q_proj: arch.kv_heads for block in blocks},
+        pruning_ratio=0.0, pruning_ratio_dict=ratio_dict, ignored_layers=ignored,
     )
     pruner.step()
     hf.zero_grad(set_to_none=True)
-    for block in blocks:  # the attention modules read these when they reshape
-        block.self_attn.num_heads = block.self_attn.q_proj.out_features // arch.head_dim
-        block.self_attn.num_key_value_heads = block.self_attn.k_proj.out_features // arch.head_dim
-        block.self_attn.num_key_value_groups = block.self_attn.num_heads // block.self_attn.num_key_value_heads
     got_attn = [b.self_attn.k_proj.out_features // arch.head_dim for b in blocks]
     got_mlp = [b.mlp.gate_proj.out_features for b in blocks]
     return hf.eval(), (got_attn, got_mlp), time.perf_counter() - started
@@ -249,12 +241,12 @@ def main() -> None:
         model.set_widths(*short)
         measure("ShortGPT", ratio, short, lambda w: sdk_window_predictions(model, w), time.perf_counter() - started)
         pruned, widths, seconds = prune_llm_pruner(model_dir, arch, target, calibration)
-        measure("torch-pruning (LLM-Pruner)", ratio, widths, partial(hf_window_predictions, pruned), seconds)
+        measure("torch-pruning (LLM-Pruner, MLP)", ratio, widths, partial(hf_window_predictions, pruned), seconds)
 
     # Paired differences ours − peer in per-window NLL (negative: ours better), per corpus and level.
     paired = []
     for ratio in ratios:
-        for peer in ("ShortGPT", "torch-pruning (LLM-Pruner)"):
+        for peer in ("ShortGPT", "torch-pruning (LLM-Pruner, MLP)"):
             for corpus, corpus_windows in windows.items():
                 mean, low, high = paired_token_ci(per_window[("ours", ratio, corpus)],
                                                   per_window[(peer, ratio, corpus)], corpus_windows)
