@@ -68,7 +68,9 @@ def test_worker_killed_mid_stage_is_retried_and_leaves_no_partial_artifact(tmp_p
     assert scheduler.store.artifact_exists(ArtifactRef(artifact["uri"], artifact["digest"], artifact["size"]))
     with scheduler.sessions() as session:  # the worker's progress reached the database while it ran
         progress = session.scalars(select(Event.data).where(Event.build_id == build_id, Event.kind == "progress")).all()
-    assert progress and all(set(data) == {"done", "total"} for data in progress)
+    # each report says how far the stage is and the usage its process has measured so far
+    assert progress and all({"done", "total", "wall_seconds", "cpu_seconds"} <= set(data) for data in progress)
+    assert all(0 <= data["done"] <= data["total"] and data["wall_seconds"] >= 0 for data in progress)
 
 
 def test_cancellation_stops_ray_tasks_and_marks_everything_cancelled(tmp_path, scheduler_for):
