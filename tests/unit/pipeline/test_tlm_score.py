@@ -77,16 +77,22 @@ def test_tlm_score_head_beats_random_dropping_on_held_out_items():
         kept = forced + random.Random(seed).sample(others, max(0, round(0.5 * len(words)) - len(forced)))
         return " ".join(words[i] for i in sorted(kept))
 
-    def judged(item, question: str) -> tuple[bool, float]:
-        """(right, gold choice's mean log-probability minus the best wrong choice's)."""
-        scores = choice_scores(model, tokenizer, [item.prompt(question)], item.choices)[0]
-        wrong = max(float(s) for c, s in enumerate(scores) if c != item.gold)
-        return int(scores.argmax()) == item.gold, float(scores[item.gold]) - wrong
-
-    by_score = [judged(it, compress(tlm, tlm_tokenizer, it.question, 0.5, ["?"]).text) for it in items]
     seeds = 3  # random dropping's expectation: the mean over seeds, not one lucky or unlucky draw
-    by_random = [[judged(it, dropped_at_random(it.question, seed * 1000 + i)) for i, it in enumerate(items)]
-                 for seed in range(seeds)]
+
+    def judged(item, questions: list[str]) -> list[tuple[bool, float]]:
+        """Per question: (right, gold choice's mean log-probability minus the best wrong choice's)."""
+        rows = choice_scores(model, tokenizer, [item.prompt(q) for q in questions], item.choices)
+        verdicts = []
+        for scores in rows:  # one batch per item: the TLM's question and each seed's
+            wrong = max(float(s) for c, s in enumerate(scores) if c != item.gold)
+            verdicts.append((int(scores.argmax()) == item.gold, float(scores[item.gold]) - wrong))
+        return verdicts
+
+    per_item = [judged(it, [compress(tlm, tlm_tokenizer, it.question, 0.5, ["?"]).text]
+                       + [dropped_at_random(it.question, seed * 1000 + i) for seed in range(seeds)])
+                for i, it in enumerate(items)]
+    by_score = [rows[0] for rows in per_item]
+    by_random = [[rows[1 + seed] for rows in per_item] for seed in range(seeds)]
     right_score = sum(right for right, _ in by_score)
     right_random = sum(right for draw in by_random for right, _ in draw) / seeds
     assert right_score > right_random, (right_score, right_random)
