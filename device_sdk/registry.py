@@ -24,18 +24,16 @@ once verified, so a half-downloaded package is never loadable.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import logging
 import os
 import queue
-import re
 import shutil
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -46,7 +44,7 @@ try:
 except ImportError:  # Windows: no advisory lock; concurrent pulls there may race on the sequence record
     fcntl = None
 
-from device_sdk.client import ElastifyAPIError, ElastifyClient
+from device_sdk.client import ElastifyAPIError, ElastifyClient, reason
 from device_sdk.format import (
     MANIFEST,
     SAFE_NAME,
@@ -149,12 +147,14 @@ class HTTPRegistry(Registry):
         try:
             response = self.http.get(self._url(key))
         except httpx.HTTPError as err:
-            raise ConnectionError(f"cannot reach the registry at {self.base}: {_why(err)}") from None
+            raise ConnectionError(f"cannot reach the registry at {self.base}: {reason(err)}") from None
         _check_status(response, key)
         return response.content
 
     def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
-        _stream_range(self.http, self._url(key), {}, key, target, start, end, advanced)
+        url = self._url(key)
+        _stream_range(lambda first, last: self.http.stream("GET", url, headers={"Range": f"bytes={first}-{last - 1}"}),
+                      key, target, start, end, advanced)
 
 
 class APIRegistry(Registry):
@@ -162,8 +162,8 @@ class APIRegistry(Registry):
 
     Keys keep the bucket layout (`packages/<name>/<version>/<file>`), so pull has one code
     path for every registry; only resolution and transport differ. The transport is the
-    ElastifyClient's (which follows the server's redirect to a presigned object-store URL without
-    the bearer token) until that client moves to httpx; resume, retries and stopping are pull's.
+    ElastifyClient's httpx client (which follows the server's redirect to a presigned object-store
+    URL without the bearer token); ranges, resume, retries and stopping are pull's, as for a bucket.
     """
 
     def __init__(self, client: ElastifyClient):
@@ -171,13 +171,13 @@ class APIRegistry(Registry):
 
     def release(self, name: str, version_or_alias: str) -> tuple[str, bytes]:
         try:
-            listing = self.client.versions(name)
+            listing = list(self.client.iter_versions(name))
         except ElastifyAPIError as err:
             if err.status == 404:
                 raise PackageError(f"the registry has no package {name!r}") from None
             raise PackageError(f"the registry could not resolve {name} {version_or_alias}: {err}") from None
-        versions = {entry["version"] for entry in listing}
-        aliases = {alias: entry["version"] for entry in listing for alias in entry["aliases"]}
+        versions = {entry.version for entry in listing}
+        aliases = {alias: entry.version for entry in listing for alias in entry.aliases}
         version = version_or_alias if version_or_alias in versions else aliases.get(version_or_alias)
         if version is None:
             raise PackageError(f"the registry has no version or alias {version_or_alias!r} of {name!r}")
@@ -199,32 +199,13 @@ class APIRegistry(Registry):
             if err.status == 404:
                 raise FileNotFoundError(key) from None
             raise ConnectionError(f"{key}: {err}") from None
+        except httpx.HTTPError as err:
+            raise ConnectionError(f"{key}: {reason(err)}") from None
 
     def copy(self, key: str, target: Path, start: int, end: int, advanced: Callable[[int], None]) -> None:
         name, version, path = self._parts(key)
-        try:
-            response = self.client.open_file(name, version, path, (start, end))
-        except ElastifyAPIError as err:
-            if err.status == 404:
-                raise FileNotFoundError(key) from None
-            raise ConnectionError(f"{key}: {err}") from None
-        with response, open(target, "r+b") as sink:
-            skip = 0 if response.status == 206 else start  # the server ignored Range: skip to our offset
-            sink.seek(start)
-            while start < end:
-                try:
-                    block = response.read(min(CHUNK, end - start + skip))
-                except http.client.IncompleteRead as short:
-                    block = short.partial
-                if not block:
-                    raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
-                dropped = min(skip, len(block))
-                block, skip = block[dropped:], skip - dropped
-                sink.write(block)
-                sink.flush()
-                start += len(block)
-                if block:
-                    advanced(start)
+        _stream_range(lambda first, last: self.client.open_file(name, version, path, (first, last)),
+                      key, target, start, end, advanced)
 
 
 def _http_client(timeout: float) -> httpx.Client:
@@ -244,12 +225,15 @@ def _check_status(response: httpx.Response, key: str) -> None:
         raise ConnectionError(f"{key}: the registry answered {response.status_code} {response.reason_phrase}")
 
 
-def _stream_range(http: httpx.Client, url: str, headers: dict[str, str], key: str, target: Path, start: int,
-                  end: int, advanced: Callable[[int], None]) -> None:
-    """Write bytes [start, end) of `url` into `target` at `start`, calling `advanced` after each block."""
+def _stream_range(open_range: Callable[[int, int], AbstractContextManager[httpx.Response]], key: str, target: Path,
+                  start: int, end: int, advanced: Callable[[int], None]) -> None:
+    """Write bytes [start, end) of `key` into `target` at `start`, calling `advanced` after each block.
+
+    `open_range(start, end)` opens the streamed GET of that range (a bucket's httpx client, or the
+    API's ElastifyClient, whose errors come as ElastifyAPIError)."""
     wanted = f"bytes={start}-{end - 1}"
     try:
-        with http.stream("GET", url, headers={**headers, "Range": wanted}) as response:
+        with open_range(start, end) as response:
             _check_status(response, key)
             skip = start  # a 200 is the whole body: skip to our offset
             if response.status_code == 206:
@@ -273,20 +257,13 @@ def _stream_range(http: httpx.Client, url: str, headers: dict[str, str], key: st
                     start += len(block)
                     advanced(start)
     except httpx.HTTPError as err:
-        raise ConnectionError(f"{key}: {_why(err)}") from None
+        raise ConnectionError(f"{key}: {reason(err)}") from None
+    except ElastifyAPIError as err:
+        if err.status == 404:
+            raise FileNotFoundError(key) from None
+        raise ConnectionError(f"{key}: {err}") from None
     if start < end:
         raise ConnectionError(f"{key}: connection closed with {end - start} bytes to go")
-
-
-def _why(err: BaseException) -> str:
-    """Why a transfer failed, in words ("Connection refused"): the OS's reason where httpx wraps one."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.strerror:
-            return seen.strerror
-        seen = seen.__cause__ or seen.__context__
-    text = str(err)
-    return re.sub(r"^\[Errno -?\d+\] ", "", text) or type(err).__name__
 
 
 # --------------------------------------------------------------------------- local copies

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from api.progress import console, fail, progress_bars
 from device_sdk.cli import download_bar
-from device_sdk.client import DEFAULT_SERVER, ElastifyAPIError, ElastifyClient
+from device_sdk.client import DEFAULT_SERVER, Build, ElastifyAPIError, ElastifyClient, LogEvent
 from device_sdk.format import PackageError, atomic_write_bytes
 from device_sdk.registry import pull, read_local_state
 from device_sdk.trust import TrustStore
@@ -41,7 +41,6 @@ packages_app = typer.Typer(no_args_is_help=True, help="List, inspect and pull pa
 aliases_app = typer.Typer(no_args_is_help=True, help="Move package aliases.")
 sources_app = typer.Typer(no_args_is_help=True, help="Upload models and data that builds name as upload:<digest>.")
 
-TERMINAL = ("succeeded", "failed", "cancelled")
 MAX_PIPED_WIDTH = 10_000  # characters: a piped table is as wide as its content, up to this
 
 
@@ -61,6 +60,11 @@ def connected(server: str, token: str | None) -> Iterator[ElastifyClient]:
 
 def _hours(seconds: float) -> str:
     return f"{seconds / 3600:.4f}"
+
+
+def _when(moment) -> str:
+    """A time as the tables show it: UTC to the second, as the server wrote it (2026-11-29T10:00:00)."""
+    return moment.strftime("%Y-%m-%dT%H:%M:%S") if moment is not None else ""
 
 
 def _print_json(data) -> None:
@@ -105,37 +109,34 @@ def submit(
         fail(f"{spec} must hold a mapping (a BuildSpec), not {type(body).__name__}")
     with connected(server, token) as client:
         build = client.submit(body, idempotency_key=idempotency_key)
-        print(build["id"])
+        print(build.id)
         if follow:
-            _follow(client, build["id"])
+            _follow(client, build.id)
 
 
 def _follow(client: ElastifyClient, build_id: str) -> None:
     """Per-stage progress bars and state lines from the SSE log until the build ends; exit 1 unless it succeeded."""
-    status = None
     with progress_bars() as on_progress:
         summary = client.build(build_id)
-        on_progress("stages", summary["stages_done"], summary["stages_total"])
-        for event in client.logs(build_id):
-            if event.event == "end":
-                status = event.json()["status"]
-                break
-            data = event.json()
-            where = f"[{data['stage']}] " if data.get("stage") else ""
-            if data["kind"] == "progress" and data.get("data"):
-                on_progress(f"{data['stage']}: {data['message']}", data["data"]["done"], data["data"]["total"])
-                continue
-            console.print(f"{where}{data['message']}", markup=False, highlight=False)
-            if data["kind"] == "state":
-                summary = client.build(build_id)
-                on_progress("stages", summary["stages_done"], summary["stages_total"])
-    summary = client.build(build_id)
-    _stage_table(summary)
-    if (status or summary["status"]) != "succeeded":
-        console.print(f"[bold red]build {build_id} {summary['status']}[/]" + (f": {summary['error']}" if summary["error"] else ""))
+        on_progress("stages", summary.stages_done, summary.stages_total)
+
+        def show(event: LogEvent) -> None:
+            if event.kind == "progress" and event.data:
+                on_progress(f"{event.stage}: {event.message}", event.data["done"], event.data["total"])
+                return
+            where = f"[{event.stage}] " if event.stage else ""
+            console.print(f"{where}{event.message}", markup=False, highlight=False)
+            if event.kind == "state":
+                now = client.build(build_id)
+                on_progress("stages", now.stages_done, now.stages_total)
+
+        build = client.wait(build_id, on_progress=show)
+    _stage_table(build)
+    if build.status != "succeeded":
+        console.print(f"[bold red]build {build_id} {build.status}[/]" + (f": {build.error}" if build.error else ""))
         raise typer.Exit(code=1)
-    if summary.get("package"):
-        console.print(f"published {summary['package']['name']} {summary['package']['version']}")
+    if build.package is not None:
+        console.print(f"published {build.package.name} {build.package.version}")
 
 
 @builds_app.command("list")
@@ -156,11 +157,11 @@ def builds_list(
             if len(builds) >= limit:
                 break
     if as_json:
-        _print_json(builds)
+        _print_json([b.raw for b in builds])
         return
     _print_table(f"{len(builds)} builds", ["id", "package", "tenant", "status", "stages", "GPU h", "created"],
-                 [[b["id"], f"{b['name']} {b['version']}", b["tenant"], b["status"], f"{b['stages_done']}/{b['stages_total']}",
-                   _hours(b["gpu_seconds"]), str(b["created_at"])[:19]] for b in builds], numeric=("stages", "GPU h"))
+                 [[b.id, f"{b.name} {b.version}", b.tenant, b.status, f"{b.stages_done}/{b.stages_total}",
+                   _hours(b.gpu_seconds), _when(b.created_at)] for b in builds], numeric=("stages", "GPU h"))
 
 
 @builds_app.command("show")
@@ -169,25 +170,25 @@ def builds_show(build_id: str, as_json: AsJSON = False, server: Server = "", tok
     with connected(server, token) as client:
         build = client.build(build_id)
     if as_json:
-        _print_json(build)
+        _print_json(build.raw)
         return
-    out.print(f"build {build['id']} ({build['name']} {build['version']}, tenant {build['tenant']}): "
-              f"{build['status']}, {build['stages_done']}/{build['stages_total']} stages, "
-              f"{build['cache_hits']} from cache, {_hours(build['gpu_seconds'])} GPU h, {_hours(build['cpu_seconds'])} CPU h")
-    if build.get("error"):
-        out.print(f"error: {build['error']}", markup=False)
+    out.print(f"build {build.id} ({build.name} {build.version}, tenant {build.tenant}): "
+              f"{build.status}, {build.stages_done}/{build.stages_total} stages, "
+              f"{build.cache_hits} from cache, {_hours(build.gpu_seconds)} GPU h, {_hours(build.cpu_seconds)} CPU h")
+    if build.error:
+        out.print(f"error: {build.error}", markup=False)
     _stage_table(build)
 
 
-def _stage_table(build: dict) -> None:
+def _stage_table(build: Build) -> None:
     rows = []
-    for stage in build["stages"]:
-        progress = stage.get("progress")
-        rows.append([stage["key"], stage["status"], "hit" if stage["cache_hit"] else "", str(len(stage["attempts"])),
-                     f"{progress['done']}/{progress['total']}" if progress else "",
-                     f"{sum(a['wall_seconds'] for a in stage['attempts']):.1f}", f"{stage['gpu_seconds']:.1f}"])
+    for stage in build.stages:
+        progress = stage.progress
+        rows.append([stage.key, stage.status, "hit" if stage.cache_hit else "", str(len(stage.attempts)),
+                     f"{progress.done}/{progress.total}" if progress else "",
+                     f"{sum(a.wall_seconds for a in stage.attempts):.1f}", f"{stage.gpu_seconds:.1f}"])
     columns = ["stage", "status", "cache", "attempts", "progress", "wall s", "GPU s"]
-    _print_table(f"stages of {build['id']}", columns, rows, numeric=tuple(columns[2:]))
+    _print_table(f"stages of {build.id}", columns, rows, numeric=tuple(columns[2:]))
 
 
 @builds_app.command("cancel")
@@ -195,7 +196,7 @@ def builds_cancel(build_id: str, server: Server = "", token: Token = None) -> No
     """Cancel a build: queued stages stop at once, running ones are cancelled by the scheduler."""
     with connected(server, token) as client:
         build = client.cancel(build_id)
-    console.print(f"build {build_id}: {build['status']}" + (" (cancellation requested)" if build.get("cancel_requested") else ""))
+    console.print(f"build {build_id}: {build.status}" + (" (cancellation requested)" if build.cancel_requested else ""))
 
 
 @builds_app.command("retry")
@@ -208,7 +209,7 @@ def builds_retry(
     """Re-run a failed or cancelled build's unfinished stages; finished ones are reused."""
     with connected(server, token) as client:
         build = client.retry(build_id)
-        console.print(f"build {build_id}: {build['status']}")
+        console.print(f"build {build_id}: {build.status}")
         if follow:
             _follow(client, build_id)
 
@@ -228,11 +229,11 @@ def logs(
             if event.event == "end":
                 console.print(f"build {event.json()['status']}")
                 return
-            data = event.json()
-            stage = f" [{data['stage']}]" if data.get("stage") else ""
-            line = f"{str(data['time'])[:19]}{stage} {data['message']}"
-            if data["kind"] == "progress":  # one line per report; `submit --follow` draws them as bars
-                done = data.get("data") or {}
+            entry = event.log_event()
+            stage = f" [{entry.stage}]" if entry.stage else ""
+            line = f"{_when(entry.time)}{stage} {entry.message}"
+            if entry.kind == "progress":  # one line per report; `submit --follow` draws them as bars
+                done = entry.data or {}
                 line += f" {done.get('done')}/{done.get('total')}"
             print(line, flush=True)
 
@@ -244,13 +245,13 @@ def logs(
 def packages_list(as_json: AsJSON = False, server: Server = "", token: Token = None) -> None:
     """Your packages, with their latest version and aliases."""
     with connected(server, token) as client:
-        packages = client.packages()
+        packages = list(client.iter_packages())
     if as_json:
-        _print_json(packages)
+        _print_json([p.raw for p in packages])
         return
     _print_table(f"{len(packages)} packages", ["name", "versions", "latest", "aliases", "updated"],
-                 [[p["name"], str(p["versions"]), p["latest_version"],
-                   ", ".join(f"{a} → {v}" for a, v in sorted(p["aliases"].items())), str(p["updated_at"])[:19]]
+                 [[p.name, str(p.versions), p.latest_version,
+                   ", ".join(f"{a} → {v}" for a, v in sorted(p.aliases.items())), _when(p.updated_at)]
                   for p in packages])
 
 
@@ -265,16 +266,16 @@ def packages_show(
     """A package's versions, or one version's manifest."""
     with connected(server, token) as client:
         if version is None:
-            versions = client.versions(name)
+            versions = list(client.iter_versions(name))
         else:
             manifest = client.manifest(name, version)
     if version is None:
         if as_json:
-            _print_json(versions)
+            _print_json([v.raw for v in versions])
             return
         _print_table(f"versions of {name}", ["version", "aliases", "build", "manifest sha256", "created"],
-                     [[v["version"], ", ".join(v["aliases"]), v["build_id"], v["manifest_sha256"][:16],
-                       str(v["created_at"])[:19]] for v in versions])
+                     [[v.version, ", ".join(v.aliases), v.build_id, v.manifest_sha256[:16], _when(v.created_at)]
+                      for v in versions])
         return
     if as_json:
         _print_json(manifest)
@@ -345,7 +346,7 @@ def aliases_set(name: str, alias: str, version: str, server: Server = "", token:
     """Point ALIAS of package NAME at VERSION."""
     with connected(server, token) as client:
         moved = client.set_alias(name, alias, version)
-    console.print(f"{moved['name']} {moved['alias']} → {moved['version']}")
+    console.print(f"{moved.name} {moved.alias} → {moved.version}")
 
 
 # --------------------------------------------------------------------------- init
@@ -439,13 +440,13 @@ def usage(
     with connected(server, token) as client:
         report = client.usage(group_by=groups, build=build, stage_type=stage_type, tenant=tenant, since=since, until=until)
     if as_json:
-        _print_json(report)
+        _print_json(report.raw)
         return
     measures = ["attempts", "GPU h", "CPU h", "wall s"]
-    _print_table(f"usage by {', '.join(report['group_by'])}: {report['total_gpu_hours']:.4f} GPU h, "
-                 f"{report['total_cpu_hours']:.4f} CPU h", [*report["group_by"], *measures],
-                 [[*(str(row[g]) for g in report["group_by"]), str(row["attempts"]), f"{row['gpu_hours']:.4f}",
-                   f"{row['cpu_hours']:.4f}", f"{row['wall_seconds']:.1f}"] for row in report["rows"]],
+    _print_table(f"usage by {', '.join(report.group_by)}: {report.total_gpu_hours:.4f} GPU h, "
+                 f"{report.total_cpu_hours:.4f} CPU h", [*report.group_by, *measures],
+                 [[*(str(getattr(row, g)) for g in report.group_by), str(row.attempts), f"{row.gpu_hours:.4f}",
+                   f"{row.cpu_hours:.4f}", f"{row.wall_seconds:.1f}"] for row in report.rows],
                  numeric=tuple(measures))
 
 
@@ -477,9 +478,8 @@ def sources_upload(
     """Upload a source; prints `upload:<digest>` on stdout, to name as source.model, calibration, a corpus, …"""
     body, media, query = _upload_body(path)
     with connected(server, token) as client:
-        with client.request("POST", "/v1/sources", params=query, body=body, timeout=3600,
-                            headers={"Content-Type": media, "Accept": "application/json"}) as response:
-            upload = json.loads(response.read())
+        upload = client.request("POST", "/v1/sources", params=query, body=body, timeout=3600,
+                                headers={"Content-Type": media, "Accept": "application/json"}).json()
     if as_json:
         _print_json(upload)
         return
@@ -491,8 +491,7 @@ def sources_upload(
 def sources_list(as_json: AsJSON = False, server: Server = "", token: Token = None) -> None:
     """Your uploads, the bytes they hold and your quota."""
     with connected(server, token) as client:
-        with client.request("GET", "/v1/sources", headers={"Accept": "application/json"}) as response:
-            listed = json.loads(response.read())
+        listed = client.request("GET", "/v1/sources", headers={"Accept": "application/json"}).json()
     if as_json:
         _print_json(listed)
         return

@@ -116,27 +116,27 @@ def test_dashboard_charts_real_builds_and_follows_a_running_one(tmp_path, pg_url
         with ServerThread(app, port=services.free_port()) as server:
             clients = {tenant: ElastifyClient(server.url, token=token) for tenant, token in tokens.items()}
             everyone = ElastifyClient(server.url, token=admin)
-            finished = [clients["acme"].submit(spec("acme-model", "1", stages=three_sleeps(1.0), cache=False))["id"],
-                        clients["beta"].submit(spec("beta-model", "1", stages=three_sleeps(0.5), cache=False))["id"]]
+            finished = [clients["acme"].submit(spec("acme-model", "1", stages=three_sleeps(1.0), cache=False)).id,
+                        clients["beta"].submit(spec("beta-model", "1", stages=three_sleeps(0.5), cache=False)).id]
             for build_id in finished:
-                wait_for(lambda b=build_id: everyone.build(b)["status"] == "succeeded", what=f"build {build_id}")
+                wait_for(lambda b=build_id: everyone.build(b).status == "succeeded", what=f"build {build_id}")
 
             # A third build runs while the page is open: its row must move from running to succeeded.
-            running = clients["acme"].submit(spec("acme-model", "2", stages=three_sleeps(8.0), cache=False))["id"]
-            wait_for(lambda: everyone.build(running)["status"] == "running", what="the third build running")
+            running = clients["acme"].submit(spec("acme-model", "2", stages=three_sleeps(8.0), cache=False)).id
+            wait_for(lambda: everyone.build(running).status == "running", what="the third build running")
             browser.get(f"{server.url}/dashboard#token={admin}&refresh=1000")
             assert admin not in browser.current_url  # the page drops the token from the address bar
             live = wait_for(lambda: table_rows(browser).get(running), what="the running build listed")
             # Mid-stage, /metrics already charges the running attempt (from its progress events): the GPU-seconds
             # counter of its stage type passes what the finished attempts' rows hold.
-            ended = {r["stage_type"]: r["gpu_seconds"] for r in everyone.usage(group_by=["stage_type"])["rows"]}
-            wait_for(lambda: gpu_seconds_served(server.url, "first") > ended["first"] and everyone.build(running)[
-                "status"] == "running", what="GPU-seconds advancing while the stage runs")
+            ended = {r.stage_type: r.gpu_seconds for r in everyone.usage(group_by=["stage_type"]).rows}
+            wait_for(lambda: gpu_seconds_served(server.url, "first") > ended["first"]
+                     and everyone.build(running).status == "running", what="GPU-seconds advancing while the stage runs")
             assert live["status"] == "running" and live["progress"] < 1
-            wait_for(lambda: everyone.build(running)["status"] == "succeeded", what="the third build finishing")
-            usage_by_day = everyone.usage(group_by=["day", "stage_type"])
-            usage_by_tenant = everyone.usage(group_by=["tenant"])
-            usage_by_build = everyone.usage(group_by=["build"])
+            wait_for(lambda: everyone.build(running).status == "succeeded", what="the third build finishing")
+            usage_by_day = everyone.usage(group_by=["day", "stage_type"]).raw  # the JSON, as the page reads it
+            usage_by_tenant = everyone.usage(group_by=["tenant"]).raw
+            usage_by_build = everyone.usage(group_by=["build"]).raw
             seen = refreshes(browser)
             wait_for(lambda: refreshes(browser) >= seen + 2, what="two page refreshes")  # both after the last attempt
             rows = table_rows(browser)

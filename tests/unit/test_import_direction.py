@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ["api", "cluster", "workers", "pipeline", "device_sdk"]  # each may import only those after it
 DEVICE_SDK_THIRD_PARTY = {"torch", "safetensors", "tokenizers", "numpy", "cryptography", "jinja2", "rich", "httpx",
-                          "typer"}
+                          "httpx_sse", "typer"}
 # device_sdk's extras, each imported only by its module (which the CLI loads lazily): `export`, `serve`.
 DEVICE_SDK_OPTIONAL = {"export_gguf.py": {"gguf"}, "serve.py": {"fastapi", "uvicorn", "prometheus_client"}}
 LAZY_MARKER = "lazy:"  # in a comment on a function-level import of the project's own modules, or above its run
@@ -85,7 +85,8 @@ def test_device_sdk_declares_what_it_imports():
     import tomllib
 
     declared = tomllib.loads((ROOT / "device_sdk" / "pyproject.toml").read_text())["project"]["dependencies"]
-    names = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower() for requirement in declared}
+    # PEP 503: a distribution's name with '-' is imported with '_' (httpx-sse is httpx_sse)
+    names = {re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0].lower().replace("-", "_") for requirement in declared}
     assert DEVICE_SDK_THIRD_PARTY <= names
 
 

@@ -175,8 +175,8 @@ def test_cli_usage_table(cli, api):
     from device_sdk.client import ElastifyClient
 
     build = ElastifyClient(api.url, token=api.acme).submit(spec("metered"))
-    finish_build(api.api, build["id"], gpu_seconds=5400)
-    result = cli("usage", "--by", "stage_type", "--build", build["id"])
+    finish_build(api.api, build.id, gpu_seconds=5400)
+    result = cli("usage", "--by", "stage_type", "--build", build.id)
     assert result.exit_code == 0, result.output
     cells = [line.replace("│", " ").split() for line in result.stdout.splitlines()]
     rows = {row[0]: row[1:] for row in cells if row and row[0] in ("first", "second", "third")}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,45 +44,45 @@ def cached_files(cache: Path) -> list[Path]:
 def test_client_submit_is_idempotent_and_conflicts_are_errors(acme):
     first = acme.submit(spec("idem"), idempotency_key="nightly-1")
     again = acme.submit(spec("idem"), idempotency_key="nightly-1")
-    assert again["id"] == first["id"] and first["status"] == "queued" and len(first["stages"]) == 3
+    assert again.id == first.id and first.status == "queued" and len(first.stages) == 3
     with pytest.raises(ElastifyAPIError) as conflict:
         acme.submit(spec("idem", version="9"), idempotency_key="nightly-1")
-    assert conflict.value.status == 409 and first["id"] in conflict.value.detail
+    assert conflict.value.status == 409 and first.id in conflict.value.detail
     with pytest.raises(ElastifyAPIError) as invalid:
         acme.submit({"source": {"model": "x"}, "levels": [1.0]})  # no publish target
     assert invalid.value.status == 422 and invalid.value.problem["errors"]
-    assert acme.submit(json.dumps(spec("fromtext")))["name"] == "fromtext"
+    assert acme.submit(json.dumps(spec("fromtext"))).name == "fromtext"
     with pytest.raises(ValueError, match="not JSON"):
         acme.submit("source: {model: unused}")
 
 
 def test_client_lists_every_build_across_cursor_pages(api):
     client = ElastifyClient(api.url, token=api.token("pager"))
-    ids = [client.submit(spec(f"page{i}"))["id"] for i in range(5)]
+    ids = [client.submit(spec(f"page{i}")).id for i in range(5)]
     first_page = client.builds(limit=2)
-    assert len(first_page["items"]) == 2 and first_page["next_cursor"]
-    seen = [b["id"] for b in client.iter_builds(limit=2)]
+    assert len(first_page.items) == 2 and first_page.next_cursor
+    seen = [b.id for b in client.iter_builds(limit=2)]
     assert seen == ids[::-1]  # newest first, each once
-    assert [b["id"] for b in client.iter_builds(name="page3")] == [ids[3]]
+    assert [b.id for b in client.iter_builds(name="page3")] == [ids[3]]
     assert list(client.iter_builds(status="succeeded")) == []
 
 
 def test_client_cancel_logs_and_retry(acme):
     build = acme.submit(spec("logs"))
-    cancelled = acme.cancel(build["id"])
-    assert cancelled["status"] == "cancelled"
-    events = list(acme.logs(build["id"]))
+    cancelled = acme.cancel(build.id)
+    assert cancelled.status == "cancelled"
+    events = list(acme.logs(build.id))
     assert events[-1].event == "end" and events[-1].json() == {"status": "cancelled"}
     messages = [e.json()["message"] for e in events[:-1]]
     assert messages[0] == "submitted with 3 stages" and "cancellation requested" in messages
     assert [int(e.id) for e in events[:-1]] == sorted(int(e.id) for e in events[:-1])
-    resumed = list(acme.logs(build["id"], after=int(events[0].id)))  # Last-Event-ID: only what came after
+    resumed = list(acme.logs(build.id, after=int(events[0].id)))  # Last-Event-ID: only what came after
     assert [e.id for e in resumed] == [e.id for e in events[1:]]
-    assert "cancellation requested" in acme.logs_text(build["id"])
-    retried = acme.retry(build["id"])
-    assert retried["status"] == "queued" and all(s["status"] == "queued" for s in retried["stages"])
+    assert "cancellation requested" in acme.logs_text(build.id)
+    retried = acme.retry(build.id)
+    assert retried.status == "queued" and all(s.status == "queued" for s in retried.stages)
     with pytest.raises(ElastifyAPIError) as twice:
-        acme.retry(build["id"])
+        acme.retry(build.id)
     assert twice.value.status == 409
 
 
@@ -94,7 +95,7 @@ def test_client_errors_are_problems_and_never_show_the_token(api, acme):
     build = acme.submit(spec("private"))
     beta = ElastifyClient(api.url, token=api.beta)
     with pytest.raises(ElastifyAPIError) as hidden:
-        beta.build(build["id"])
+        beta.build(build.id)
     assert hidden.value.status == 404 and secret not in str(hidden.value)
     with pytest.raises(ElastifyAPIError) as missing:
         acme.versions("no-such-package")
@@ -110,12 +111,12 @@ def test_client_errors_are_problems_and_never_show_the_token(api, acme):
 def test_client_usage_reports_the_ledger(api):
     client = ElastifyClient(api.url, token=api.token("metered"))
     build = client.submit(spec("metered"))
-    finish_build(api.api, build["id"], status="failed", gpu_seconds=1800)  # first ran, second failed, third never ran
+    finish_build(api.api, build.id, status="failed", gpu_seconds=1800)  # first ran, second failed, third never ran
     report = client.usage(group_by=["stage_type"])
-    assert {r["stage_type"]: r["gpu_hours"] for r in report["rows"]} == {"first": 0.5, "second": 0.5}
-    assert report["total_gpu_hours"] == 1.0  # the failed attempt's time counts too
-    assert client.usage(group_by=["build"], stage_type="second")["rows"][0]["gpu_hours"] == 0.5
-    assert client.build(build["id"])["gpu_seconds"] == 3600
+    assert {r.stage_type: r.gpu_hours for r in report.rows} == {"first": 0.5, "second": 0.5}
+    assert report.total_gpu_hours == 1.0  # the failed attempt's time counts too
+    assert client.usage(group_by=["build"], stage_type="second").rows[0].gpu_hours == 0.5
+    assert client.build(build.id).gpu_seconds == 3600
 
 
 def test_client_token_and_server_from_the_environment(api, monkeypatch):
@@ -123,7 +124,7 @@ def test_client_token_and_server_from_the_environment(api, monkeypatch):
     monkeypatch.setenv("ELASTIFY_TOKEN", api.acme)
     client = ElastifyClient()
     assert client.base_url == api.url
-    assert [p["name"] for p in client.packages()] == ["tiny"]
+    assert [p.name for p in client.packages()] == ["tiny"]
     assert client.health() == {"status": "ok"}
     assert client.signing_key() == api.api.settings.public_key_b64()
 
@@ -133,13 +134,13 @@ def test_client_token_and_server_from_the_environment(api, monkeypatch):
 
 def test_client_packages_versions_manifest_and_alias(acme, packages):
     listed = acme.packages()
-    assert [(p["name"], p["versions"], p["aliases"]) for p in listed] == [("tiny", 2, {"latest": "1.0.0"})]
+    assert [(p.name, p.versions, p.aliases) for p in listed] == [("tiny", 2, {"latest": "1.0.0"})]
     versions = acme.versions("tiny")
-    assert [(v["version"], v["aliases"]) for v in versions] == [("1.0.0", ["latest"]), ("2.0.0", [])]
+    assert [(v.version, v.aliases) for v in versions] == [("1.0.0", ("latest",)), ("2.0.0", ())]
     assert acme.manifest("tiny", "latest")["version"] == "1.0.0"
     assert acme.manifest_bytes("tiny", "1.0.0") == (packages["1.0.0"] / "manifest.json").read_bytes()
     moved = acme.set_alias("tiny", "stable", "2.0.0")
-    assert moved["version"] == "2.0.0" and acme.manifest("tiny", "stable")["version"] == "2.0.0"
+    assert moved.version == "2.0.0" and acme.manifest("tiny", "stable")["version"] == "2.0.0"
     with pytest.raises(ElastifyAPIError) as unknown:
         acme.set_alias("tiny", "stable", "7.7.7")
     assert unknown.value.status == 404
@@ -183,10 +184,11 @@ def test_pull_through_the_api_resumes_an_interrupted_download(api, tmp_path, mon
     requested = []
     real_open = ElastifyClient.open_file
 
+    @contextlib.contextmanager
     def recording(self, name, version, path, byte_range=None):
-        response = real_open(self, name, version, path, byte_range)
-        requested.append((path, byte_range, response.status))
-        return response
+        with real_open(self, name, version, path, byte_range) as response:
+            requested.append((path, byte_range, response.status_code))
+            yield response
 
     monkeypatch.setattr(ElastifyClient, "open_file", recording)
 
