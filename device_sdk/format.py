@@ -243,8 +243,9 @@ class Manifest:
     # Both are signed. A manifest from before them reads as sequence 0, never expiring.
     sequence: int = 0
     expires_at: str | None = None
-    # Extra precisions, each a weights file of its own: {"int4": {"file", "quantised", "unquantised"}}; their
-    # byte ranges are byte_ranges["precisions"][<precision>] (precision_byte_ranges).
+    # Extra precisions, each a weights file of its own: {"int4": {"file", "quantised", "formats", "unquantised"}}
+    # (`formats`: each quantised tensor's block format, see precision_formats); their byte ranges are
+    # byte_ranges["precisions"][<precision>] (precision_byte_ranges).
     precisions: dict[str, Any] | None = None
     signature: str | None = None
 
@@ -306,6 +307,12 @@ class Manifest:
             ) or precision not in self.byte_ranges.get("precisions", {}):
                 raise PackageError(f"precisions.{precision}: expected one of {sorted(PRECISION_BLOCK_BYTES)} with its "
                                    f"file {precision_file(precision)!r} and its byte ranges")
+            formats = entry.get("formats", {})
+            if not isinstance(formats, Mapping) or not set(formats) <= set(entry.get("quantised", ())) or any(
+                value not in PRECISION_BLOCK_BYTES for value in formats.values()
+            ):
+                raise PackageError(f"precisions.{precision}.formats must map quantised tensors to one of "
+                                   f"{sorted(PRECISION_BLOCK_BYTES)}")
         self.architecture.validate()
         arch, el = self.architecture, self.elastic
         if len(el.attn_units) != arch.layers or len(el.mlp_units) != arch.layers:
@@ -579,13 +586,34 @@ def precision_file(precision: str) -> str:
     return f"model/weights.{precision}.safetensors"
 
 
+# The LM head's block format in each precision's file: Q8_0 in the int4 file too, as llama.cpp's Q4_0 keeps its
+# output tensor (for SmolLM2-135M a 4-bit head alone cost most of the int4 perplexity increase). The head is
+# the tied embedding (then the lookup table reads the same blocks) or `lm_head.weight`; no level cuts it.
+HEAD_FORMATS = {"int8": "int8", "int4": "int8"}
+
+
+def head_tensor(architecture: Architecture) -> str:
+    """The stored name of the LM head's matrix."""
+    return "model.embed_tokens.weight" if architecture.tie_word_embeddings else "lm_head.weight"
+
+
+def precision_formats(manifest: Manifest, precision: str) -> dict[str, str]:
+    """The block format of each tensor quantised in `precision`'s file: its entry's `formats` map; a package
+    written before the map has every quantised tensor at the precision itself."""
+    weights_ranges(manifest, precision)  # refuses a precision the package does not carry
+    entry = manifest.precisions[precision]
+    formats = entry.get("formats", {})
+    return {name: formats.get(name, precision) for name in entry["quantised"]}
+
+
 def precision_byte_ranges(package_dir: Path, precision: str, elastic: Elastic, quantised: Iterable[str]) -> dict[str, Any]:
     """`byte_ranges_for` of a precision's weights file: per tensor and level, the prefix that level needs.
 
     A quantised tensor of row units (stored [rows, in]) is packed one row of blocks per row, so a
     level's rows are its first rows; one of column units (stored transposed, [in, out]) is packed
     one block-row per 32 units, so a level needs its first ceil(units / 32) block-rows (the last
-    one whole: its scales are the full model's). Unquantised tensors are cut as in the main file.
+    one whole: its scales are the full model's). Unquantised tensors are cut as in the main file; the
+    LM head, quantised but no elastic tensor, is needed whole by every level.
     """
     quantised = set(quantised)
     path = Path(package_dir) / precision_file(precision)

@@ -201,7 +201,7 @@ def native_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
 
 
 def make_linear(
-    storage: torch.Tensor,
+    storage: torch.Tensor | quant.Packed,
     bias: torch.Tensor | None,
     *,
     unit_axis: UnitAxis,
@@ -209,14 +209,19 @@ def make_linear(
     weight_format: str = "fp32",
     native: bool = True,
 ) -> ElasticLinear:
-    """An ElasticLinear in `weight_format`, on the native kernel when it builds (else torch)."""
-    weights = convert_storage(storage, unit_axis, weight_format)
+    """An ElasticLinear in `weight_format`, on the native kernel when it builds (else torch). Storage already
+    in blocks (`quant.Packed`, packed for `unit_axis`) keeps its own block format, whatever `weight_format` is."""
+    if isinstance(storage, quant.Packed):
+        weights, block_format, shape = storage.blocks, storage.format, storage.shape
+    else:
+        weights = convert_storage(storage, unit_axis, weight_format)
+        block_format = weight_format if weight_format in quant.QUANTIZED_FORMATS else None
+        shape = tuple(storage.shape)
     bias = None if bias is None else bias.float()
-    quantized = weight_format in quant.QUANTIZED_FORMATS
-    layer = ElasticLinear(weights, bias, unit_axis=unit_axis, unit_size=unit_size,
-                          block_format=weight_format if quantized else None, shape=tuple(storage.shape))
+    layer = ElasticLinear(weights, bias, unit_axis=unit_axis, unit_size=unit_size, block_format=block_format,
+                          shape=shape)
     use_native = native and native_module() is not None
-    if use_native or weight_format != "fp32":
+    if use_native or block_format is not None or weight_format != "fp32":
         layer.use_kernel(native_linear if use_native else reference_linear)
     return layer
 
@@ -240,9 +245,12 @@ class NativeDecoder:
     def __init__(self, transformer):
         arch = transformer.arch
         self.transformer = transformer
+        embed = transformer.embed_tokens
+        packed = isinstance(embed, quant.Packed)  # the tied LM head's blocks: the lookup dequantises one row
+        table, table_format = (embed.blocks, quant.FORMAT_CODES[embed.format]) if packed else (embed, 0)
         self.native = native_module().Decoder(
             arch.head_dim, arch.n_rep, arch.norm_eps, arch.sliding_window or 0, transformer.inv_freq,
-            transformer.embed_tokens, transformer.norm.weight, _spec(transformer.lm_head),
+            table, table_format, transformer.norm.weight, _spec(transformer.lm_head),
         )
         self.projections = [[block.projection(name) for name in PROJECTIONS] for block in transformer.layers]
         for block, projections in zip(transformer.layers, self.projections, strict=True):

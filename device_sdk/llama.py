@@ -4,7 +4,7 @@ No transformers import: this file is the whole model. Every projection is an Ela
 over the package's (memory-mapped) storage, so each layer runs at any prefix width:
 `g` KV groups keep the first g·n_rep query heads and g KV heads (a legal GQA shape), `n`
 neurons keep the first n SwiGLU neurons. A sub-layer of width 0 adds nothing to the residual
-stream. Computation is fp32; weights may be stored fp32, fp16 or int8 (see kernels.py).
+stream. Computation is fp32; weights may be stored fp32, fp16 or in int8/int4 blocks (see kernels.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 from device_sdk.elastic import ElasticLinear, LevelCursor
 from device_sdk.format import Architecture
 from device_sdk.lora import PROJECTIONS, LoRA, lora_delta
+from device_sdk.quant import Packed
 
 LinearFactory = Callable[..., ElasticLinear]  # (storage, bias, *, unit_axis, unit_size) -> ElasticLinear
 
@@ -264,7 +265,8 @@ class Transformer(nn.Module):
     def __init__(self, arch: Architecture, weights: Mapping[str, torch.Tensor], make: LinearFactory):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = weights["model.embed_tokens.weight"]  # rows are read, never multiplied
+        # Rows are read, never multiplied; a tensor, or quant.Packed blocks (a quantised model's tied LM head).
+        self.embed_tokens = weights["model.embed_tokens.weight"]
         self.layers = nn.ModuleList(Block(arch, weights, i, make) for i in range(arch.layers))
         self.norm = RMSNorm(weights["model.norm.weight"], arch.norm_eps)
         head = weights["model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"]
@@ -310,7 +312,8 @@ class Transformer(nn.Module):
         if positions is not None and self.arch.sliding_window is not None and start + T > self.arch.sliding_window:
             raise ValueError("per-row positions beyond the sliding window are not supported")
         cos, sin = rope_tables(self.inv_freq, slots if positions is None else positions)
-        x = self.embed_tokens[ids].float()
+        table = self.embed_tokens
+        x = table.rows(ids) if isinstance(table, Packed) else table[ids].float()
         mask = AttentionMask(slots, start + T, self.arch.sliding_window, self.arch.n_rep, key_mask)
         for block in self.layers:
             x = block(x, cos, sin, mask, cache)

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from device_sdk.format import (
     FORMAT_VERSION,
+    HEAD_FORMATS,
     MANIFEST,
     WEIGHTS,
     Architecture,
@@ -36,6 +37,7 @@ from device_sdk.format import (
     byte_ranges_for,
     canonical_json,
     file_entries,
+    head_tensor,
     precision_byte_ranges,
     precision_file,
     read_manifest,
@@ -165,29 +167,34 @@ def write_package(
 
 def add_precision(package_dir: Path, precision: str) -> Manifest:
     """Write the package's weights again at `precision` ("int8" Q8_0 or "int4" Q4_0 blocks) as a file of their
-    own, list it (with its byte ranges and which tensors stay unquantised) in the manifest, and rewrite the
-    manifest's file table. Sign after.
+    own, list it (with its byte ranges, each quantised tensor's block format, and which tensors stay
+    unquantised) in the manifest, and rewrite the manifest's file table. Sign after.
 
-    Every 2-D elastic tensor is quantised in device_sdk.quant's prefix layout, so each level is still a
-    byte-range prefix of every tensor; the rest (embeddings, norms, biases) is copied as stored, so the
-    file alone holds a whole model.
+    Every 2-D elastic tensor is quantised to `precision` in device_sdk.quant's prefix layout, so each level is
+    still a byte-range prefix of every tensor; the LM head (the tied embedding, or lm_head) to
+    `HEAD_FORMATS[precision]` (Q8_0 in the int4 file too, as llama.cpp's Q4_0), whole for every level; the
+    rest (an untied embedding, norms, biases) is copied as stored, so the file alone holds a whole model.
     """
     if precision not in QUANTIZED_FORMATS:
         raise PackageError(f"precision {precision!r} is not one of {list(QUANTIZED_FORMATS)}")
     package_dir = Path(package_dir)
     manifest = read_manifest(package_dir)
-    tensors, quantised = {}, []
+    head = head_tensor(manifest.architecture)
+    tensors, formats = {}, {}
     with safe_open(package_dir / WEIGHTS, framework="pt") as stored:
         for name in stored.keys():  # noqa: SIM118 (safe_open is not a mapping)
             tensor, spec = stored.get_tensor(name), manifest.elastic.tensors.get(name)
             if spec is not None and tensor.dim() == 2:
+                formats[name] = precision
                 tensor = quantize(tensor, "in" if spec.transposed else "out", precision)
-                quantised.append(name)
+            elif name == head:
+                formats[name] = HEAD_FORMATS[precision]
+                tensor = quantize(tensor, "out", formats[name])
             tensors[name] = tensor.contiguous()
     save_file(tensors, str(package_dir / precision_file(precision)), metadata={"format": "pt", "precision": precision})
-    quantised.sort()
+    quantised = sorted(formats)
     manifest.precisions = {**(manifest.precisions or {}), precision: {
-        "file": precision_file(precision), "quantised": quantised,
+        "file": precision_file(precision), "quantised": quantised, "formats": dict(sorted(formats.items())),
         "unquantised": sorted(set(tensors) - set(quantised)),
     }}
     manifest.byte_ranges = {**manifest.byte_ranges, "precisions": {

@@ -29,6 +29,8 @@ int8, d = amax / 127 kept in fp32, q = round-half-even(x / d), as the native ker
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -103,6 +105,28 @@ def dequantize(packed: torch.Tensor, unit_axis: str, weight_format: str, rows: i
     block_rows = blocks_for(rows)
     values = dequantize_blocks(packed[:block_rows].reshape(block_rows, cols, size), weight_format)  # [nb, out, 32]
     return values.permute(0, 2, 1).reshape(block_rows * BLOCK, cols)[:rows]
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A matrix already in blocks (a precision file's, or one quantised at load at a format of its own, as the
+    LM head of an int4 model): the packed uint8 tensor of `quantize`, its block format, its unpacked
+    unit-major [rows, cols]. Row units ("out") only for `rows`, the embedding lookup."""
+
+    blocks: torch.Tensor
+    format: str
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        if self.format not in BLOCK_BYTES or self.blocks.dtype != torch.uint8 or self.blocks.dim() != 2:
+            raise ValueError(f"packed blocks must be 2-D uint8 in one of {QUANTIZED_FORMATS}, not "
+                             f"{self.blocks.dtype} {tuple(self.blocks.shape)} {self.format!r}")
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 rows `index` (any shape) of a row-unit matrix: [*index.shape, cols]."""
+        flat = index.reshape(-1)
+        values = dequantize(self.blocks[flat], "out", self.format, flat.numel(), self.shape[1])
+        return values.reshape(*index.shape, self.shape[1])
 
 
 def packed_rows(unit_axis: str, rows: int) -> int:

@@ -23,16 +23,22 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from device_sdk import quant
 from device_sdk.experts import ExpertSet
 from device_sdk.format import (
+    HEAD_FORMATS,
     WEIGHTS,
     CloneProfile,
     Level,
     LevelShape,
     Manifest,
     PackageError,
+    check_files,
     clone_profiles,
+    head_tensor,
+    precision_formats,
     safetensors_layout,
+    weights_ranges,
 )
 from device_sdk.kernels import NativeDecoder, make_linear
 from device_sdk.latency import (
@@ -47,11 +53,13 @@ from device_sdk.latency import (
 from device_sdk.llama import Projection, Transformer
 from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
 from device_sdk.measure import estimate_profile, measure_tlm_latency
+from device_sdk.quant import BLOCK_BYTES, QUANTIZED_FORMATS, Packed, blocks_for
 from device_sdk.registry import read_local_state, verify_local
 from device_sdk.tlm import TLM, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-# Bytes per stored weight, by weight format (int8/int4: a 34- or 18-byte block per 32 weights, device_sdk.quant).
+# Bytes per stored weight, by weight format (int8/int4: a 34- or 18-byte block per 32 weights, device_sdk.quant;
+# an int4 model's LM head is int8, HEAD_FORMATS).
 ELEMENT_SIZE = {"fp32": 4, "fp16": 2, "int8": 34 / 32, "int4": 18 / 32}
 FORCE_TOKENS = ("?",)  # compression never drops a question mark (the labelling stage's default too)
 
@@ -70,16 +78,47 @@ def _quality_summary(shape: LevelShape) -> str:
     return ", ".join(shown) or "no quality recorded"
 
 
-def map_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file as a view of one copy-on-write memory map."""
+def map_weights(path: Path, packed: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file as a view of one copy-on-write memory map; those named in `packed`
+    are uint8 blocks (a precision file's quantised tensors)."""
     data_start, header = safetensors_layout(path)
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
     tensors = {}
     for name, info in header.items():
-        if info["dtype"] not in _TORCH_DTYPES:
+        dtype = torch.uint8 if name in packed and info["dtype"] == "U8" else _TORCH_DTYPES.get(info["dtype"])
+        if dtype is None:
             raise PackageError(f"{path.name}: tensor {name} has unsupported dtype {info['dtype']}")
         begin, end = (data_start + offset for offset in info["data_offsets"])
-        tensors[name] = mapped[begin:end].view(_TORCH_DTYPES[info["dtype"]]).reshape(info["shape"])
+        tensors[name] = mapped[begin:end].view(dtype).reshape(info["shape"])
+    return tensors
+
+
+def map_precision_weights(package_dir: Path, manifest: Manifest, precision: str) -> dict[str, torch.Tensor | Packed]:
+    """A precision's weights file, memory-mapped: its quantised tensors as `Packed` blocks in the format its
+    manifest entry states (the LM head Q8_0 in an int4 file), the rest as stored.
+
+    The unpacked shapes follow from the manifest: an elastic tensor has its units' rows, the head the
+    vocabulary's, and every one of these matrices has `hidden` columns (q/k/v/gate/up and the head read the
+    hidden state, o/down write it); each is checked against the packed shape."""
+    ranges = weights_ranges(manifest, precision)
+    formats = precision_formats(manifest, precision)
+    tensors = map_weights(Path(package_dir) / ranges["file"], frozenset(formats))
+    arch, elastic = manifest.architecture, manifest.elastic
+    for name, weight_format in formats.items():
+        spec = elastic.tensors.get(name)
+        if spec is not None:
+            units = (elastic.attn_units if spec.unit == "attn" else elastic.mlp_units)[spec.layer]
+            rows, axis = units * spec.rows_per_unit, "in" if spec.transposed else "out"
+        elif name == head_tensor(arch):
+            rows, axis = arch.vocab, "out"
+        else:
+            raise PackageError(f"{ranges['file']}: {name} is quantised but is neither an elastic tensor nor the LM head")
+        size = BLOCK_BYTES[weight_format]
+        expected = (rows, blocks_for(arch.hidden) * size) if axis == "out" else (blocks_for(rows), arch.hidden * size)
+        if name not in tensors or tuple(tensors[name].shape) != expected:
+            raise PackageError(f"{ranges['file']}: {name} should be {weight_format} blocks of shape {list(expected)}, "
+                               f"not {list(tensors[name].shape) if name in tensors else 'missing'}")
+        tensors[name] = Packed(tensors[name], weight_format, (rows, arch.hidden))
     return tensors
 
 
@@ -268,8 +307,11 @@ class ElasticModel:
 
     @classmethod
     def load(cls, package_dir: Path, *, public_key=None, allow_unsigned: bool = False, quantize: str | None = None,
-             native: bool = True, verify: bool = True) -> ElasticModel:
+             native: bool = True, verify: bool = True, precision: str | None = None) -> ElasticModel:
         """Open a local package. `quantize`: "int8", "int4" or "fp16" at load; None keeps the stored format.
+        `precision` ("int8", "int4": one the manifest lists) runs that precision's own weights file instead,
+        as stored; a copy pulled with a precision holds only that file and runs it without being told.
+        At int4, quantised at load or from the file, the LM head is Q8_0 (`format.HEAD_FORMATS`).
 
         The manifest's signature is checked with `public_key`, else with the key pinned for the
         package's name (`device_sdk.trust`); a package with neither, or an unsigned one, is
@@ -282,10 +324,25 @@ class ElasticModel:
         manifest = verify_local(package_dir, public_key, full=verify, allow_unsigned=allow_unsigned)
         state = read_local_state(package_dir)
         held = state.get("max_level") if state else None
-        stored = next(iter(safetensors_layout(package_dir / WEIGHTS)[1].values()))["dtype"]
-        weight_format = quantize or ("fp16" if stored == "F16" else "fp32")
+        pulled = state.get("precision") if state else None
+        precision = precision or pulled
+        if precision is not None:
+            if quantize is not None and quantize != precision:
+                raise PackageError(f"{package_dir} runs its {precision} weights file, which cannot be quantised "
+                                   f"again to {quantize}")
+            if verify and precision != pulled:  # verify_local hashed the weights file this copy holds, not this one
+                check_files(package_dir, manifest, [weights_ranges(manifest, precision)["file"]])
+            weights, weight_format = map_precision_weights(package_dir, manifest, precision), precision
+        else:
+            stored = next(iter(safetensors_layout(package_dir / WEIGHTS)[1].values()))["dtype"]
+            weights, weight_format = map_weights(package_dir / WEIGHTS), quantize or ("fp16" if stored == "F16" else "fp32")
+        head = head_tensor(manifest.architecture)
+        if weight_format in QUANTIZED_FORMATS and not isinstance(weights[head], Packed):  # quantised at load here
+            head_format = HEAD_FORMATS[weight_format]
+            weights[head] = Packed(quant.quantize(weights[head], "out", head_format), head_format,
+                                   tuple(weights[head].shape))
         tokenizer = Tokenizer.from_file(str(package_dir / "model" / "tokenizer.json"))
-        return cls(package_dir, manifest, map_weights(package_dir / WEIGHTS), tokenizer, weight_format, native, held)
+        return cls(package_dir, manifest, weights, tokenizer, weight_format, native, held)
 
     def _read_adapters(self) -> dict[str, dict[str, LoRA]]:
         """Per level: projection key -> (A [r, in_active], B [out_active, r], scale)."""

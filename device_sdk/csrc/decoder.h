@@ -152,12 +152,24 @@ class SpinBarrier {
 
 class Decoder {
  public:
+  // `embed` is [vocab, hidden] in a float type, or (embed_fmt a quant::Format) packed rows of blocks, as
+  // the tied LM head of a quantised model keeps it.
   Decoder(int64_t head_dim, int64_t n_rep, double eps, int64_t window, torch::Tensor inv_freq, torch::Tensor embed,
-          torch::Tensor final_norm, Projection lm_head)
+          int64_t embed_fmt, torch::Tensor final_norm, Projection lm_head)
       : head_dim_(head_dim), n_rep_(n_rep), eps_(static_cast<float>(eps)), window_(window),
-        inv_freq_(inv_freq.contiguous()), embed_(embed), final_norm_(final_norm.contiguous()), lm_head_(lm_head) {
+        inv_freq_(inv_freq.contiguous()), embed_(embed), embed_fmt_(embed_fmt), final_norm_(final_norm.contiguous()),
+        lm_head_(lm_head) {
     TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(), "embeddings must be a contiguous matrix");
-    hidden_ = embed.size(1);
+    hidden_ = final_norm_.numel();
+    if (embed_fmt_ == quant::NONE) {
+      TORCH_CHECK(embed.size(1) == hidden_, "embeddings have ", embed.size(1), " columns, the model ", hidden_);
+    } else {
+      TORCH_CHECK(embed_fmt_ == quant::Q8 || embed_fmt_ == quant::Q4, "unknown block format ", embed_fmt_);
+      TORCH_CHECK(embed.scalar_type() == torch::kByte &&
+                      embed.size(1) == quant::blocks_for(hidden_) * quant::block_bytes(embed_fmt_),
+                  "packed embeddings need ", quant::blocks_for(hidden_) * quant::block_bytes(embed_fmt_),
+                  " uint8 a row");
+    }
   }
 
   void add_layer(torch::Tensor attn_norm, torch::Tensor mlp_norm, std::vector<Projection> projections) {
@@ -357,6 +369,16 @@ class Decoder {
 
   void read_embedding(int64_t token) {
     const int64_t d = hidden_;
+    if (embed_fmt_ != quant::NONE) {
+      const int64_t size = quant::block_bytes(embed_fmt_);
+      const uint8_t* row = embed_.data_ptr<uint8_t>() + token * embed_.size(1);
+      float block[quant::BLOCK];
+      for (int64_t b = 0; b * quant::BLOCK < d; ++b) {
+        quant::dequantize_block(embed_fmt_, row + b * size, block);
+        std::copy_n(block, std::min<int64_t>(quant::BLOCK, d - b * quant::BLOCK), x_.data() + b * quant::BLOCK);
+      }
+      return;
+    }
     switch (embed_.scalar_type()) {
       case torch::kFloat: std::copy_n(embed_.data_ptr<float>() + token * d, d, x_.data()); break;
       case torch::kHalf: std::copy_n(embed_.data_ptr<c10::Half>() + token * d, d, x_.data()); break;
@@ -425,7 +447,9 @@ class Decoder {
   float eps_;
   int64_t window_, hidden_ = 0, max_q_ = 0, max_kv_ = 0, max_neurons_ = 0, max_rank_ = 0;
   bool quantized_ = false;  // some layer projection is block-quantised: quantise h once per sub-layer
-  torch::Tensor inv_freq_, embed_, final_norm_;
+  torch::Tensor inv_freq_, embed_;
+  int64_t embed_fmt_;
+  torch::Tensor final_norm_;
   Projection lm_head_;
   std::vector<Layer> layers_;
   std::vector<float> x_, q_, k_, v_, attention_, activation_, up_, update_, partial_, cos_, sin_;

@@ -366,8 +366,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_quant_isa", &set_quant_isa, "choose the quantised kernels' instruction set (\"auto\": the best)");
   pybind11::class_<elastic::Decoder>(m, "Decoder")
       .def(pybind11::init([](int64_t head_dim, int64_t n_rep, double eps, int64_t window, torch::Tensor inv_freq,
-                             torch::Tensor embed, torch::Tensor final_norm, const ProjectionSpec& lm_head) {
-        return new elastic::Decoder(head_dim, n_rep, eps, window, inv_freq, embed, final_norm, make_projection(lm_head, true));
+                             torch::Tensor embed, int64_t embed_fmt, torch::Tensor final_norm,
+                             const ProjectionSpec& lm_head) {
+        return new elastic::Decoder(head_dim, n_rep, eps, window, inv_freq, embed, embed_fmt, final_norm,
+                                    make_projection(lm_head, true));
       }))
       .def("add_layer", [](elastic::Decoder& d, torch::Tensor attn_norm, torch::Tensor mlp_norm,
                            const std::vector<ProjectionSpec>& projections) {

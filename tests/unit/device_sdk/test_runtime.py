@@ -82,7 +82,7 @@ def lora_package(request, tmp_path_factory):
 
 
 def assert_decode_close(steps, reference, weight_format, label=None):
-    """fp32/fp16: to float rounding. int8 (block-quantised, activations quantised per token too): a
+    """fp32/fp16: to float rounding. int8/int4 (block-quantised, activations quantised per token too): a
     quantised activation a last-bit away from a rounding boundary may round either way in the native
     step and in the Python forward, moving later logits slightly (test_quant_kernels.py)."""
     if weight_format in ("fp32", "fp16"):
@@ -92,7 +92,7 @@ def assert_decode_close(steps, reference, weight_format, label=None):
 
 
 @needs_native
-@pytest.mark.parametrize("weight_format", ["fp32", "fp16", "int8"])
+@pytest.mark.parametrize("weight_format", ["fp32", "fp16", "int8", "int4"])
 def test_sdk_native_decode_matches_reference(lora_package, weight_format):
     model = ElasticModel.load(lora_package, quantize=weight_format, allow_unsigned=True)
     assert model.transformer.decoder is not None
