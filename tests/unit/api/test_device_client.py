@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -270,3 +272,170 @@ def test_device_cli_pulls_through_the_api_with_the_token_from_the_environment(ap
     assert main(args) == 0
     assert "ok: tiny 1.0.0 (every level" in capsys.readouterr().out
     verify_local(tmp_path / "tiny" / "1.0.0", public_bytes(KEY))
+
+
+# --------------------------------------------------------------------------- typed answers, pages, wait
+
+
+def test_client_answers_are_typed_and_keep_the_servers_json(api, acme):
+    import dataclasses
+    from datetime import timedelta
+
+    import httpx
+
+    from device_sdk.client import Build, BuildSummary, Package, Page, Stage, Version
+
+    build = acme.submit(spec("typed"))
+    assert isinstance(build, Build) and build.status == "queued" and not build.ended
+    assert build.created_at.utcoffset() == timedelta(0)
+    assert all(isinstance(stage, Stage) and stage.attempts == () for stage in build.stages)
+    assert [stage.key for stage in build.stages] == ["first", "second", "third"] and build.package is None
+    assert build.spec["publish"]["name"] == "typed" and build.cancel_requested is False
+    served = httpx.get(f"{api.url}/v1/builds/{build.id}", headers={"Authorization": f"Bearer {api.acme}"}).json()
+    assert acme.build(build.id).raw == served  # --json prints what the server sent
+    assert "raw" not in repr(build) and build.id in repr(build)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        build.status = "succeeded"
+    summary = next(acme.iter_builds(name="typed"))
+    assert type(summary) is BuildSummary and summary.id == build.id and summary.created_at == build.created_at
+    finish_build(api.api, build.id)
+    ended = acme.build(build.id)
+    assert ended.ended and ended.finished_at > ended.started_at
+    assert {a.status for s in ended.stages for a in s.attempts} == {"succeeded"}
+    packages = acme.packages()
+    assert isinstance(packages, Page) and packages.next_cursor is None and isinstance(packages.items[0], Package)
+    assert packages.items[0].updated_at.tzinfo is not None
+    versions = acme.versions("tiny")
+    assert all(isinstance(v, Version) and len(v.manifest_sha256) == 64 for v in versions)
+    assert versions.items[0].created_at <= versions.items[1].created_at
+
+
+def test_client_every_list_is_a_page_and_its_iter_walks_them_all(api):
+    client = ElastifyClient(api.url, token=api.token("walker"))
+    ids = [client.submit(spec(f"walk{i}")).id for i in range(5)]
+    pages, cursor = [], None
+    while True:
+        page = client.builds(limit=2, cursor=cursor)
+        pages.append([b.id for b in page])
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert pages == [ids[4:2:-1], ids[2:0:-1], ids[:1]]  # newest first, two a page, the last one short
+    assert [b.id for b in client.iter_builds(limit=2)] == ids[::-1] == [b.id for b in client.iter_builds()]
+    acme = ElastifyClient(api.url, token=api.acme)
+    assert [p.name for p in acme.iter_packages()] == [p.name for p in acme.packages()] == ["tiny"]
+    assert [v.version for v in acme.iter_versions("tiny")] == ["1.0.0", "2.0.0"]
+    assert list(client.iter_packages()) == [] and len(client.packages()) == 0
+
+
+def _report_progress_then_finish(api, build_id: str, delay: float = 0.3) -> threading.Thread:
+    """A scheduler's stand-in: two progress reports on the first stage, then the build succeeds."""
+    from sqlalchemy import select
+
+    from cluster.models import Event, Stage
+
+    def run():
+        time.sleep(delay)
+        with api.api.sessions.begin() as session:
+            stage = session.scalar(select(Stage).where(Stage.build_id == build_id, Stage.key == "first"))
+            for done in (1, 2):
+                session.add(Event(build_id=build_id, stage_id=stage.id, kind="progress", message="windows",
+                                  data={"done": done, "total": 2}))
+        time.sleep(0.2)
+        finish_build(api.api, build_id)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_wait_follows_the_build_until_it_ends_and_returns_it(api, acme):
+    from device_sdk.client import LogEvent
+
+    build = acme.submit(spec("waited"))
+    seen: list[LogEvent] = []
+    helper = _report_progress_then_finish(api, build.id)
+    ended = acme.wait(build.id, timeout=30, on_progress=seen.append)
+    helper.join()
+    assert ended.status == "succeeded" and ended.ended and ended.stages_done == 3
+    assert all(isinstance(e, LogEvent) for e in seen) and seen[0].message == "submitted with 3 stages"
+    progress = [(e.stage, e.data["done"], e.data["total"]) for e in seen if e.kind == "progress"]
+    assert progress == [("first", 1, 2), ("first", 2, 2)]
+    assert [e.id for e in seen] == sorted({e.id for e in seen})  # each event once, in order
+    again = acme.wait(build.id, timeout=5)  # an ended build: at once
+    assert again.status == "succeeded"
+
+
+@pytest.mark.parametrize("keepalive", [None, 0.05])
+def test_wait_raises_a_clear_timeout_and_leaves_the_build_running(api, acme, monkeypatch, keepalive):
+    """A silent stream times out at the deadline; one kept alive by the server's comments is stopped too."""
+    from api.routes import builds as builds_route
+    from device_sdk.client import BuildTimeout
+
+    if keepalive is not None:
+        monkeypatch.setattr(builds_route, "SSE_KEEPALIVE_SECONDS", keepalive)
+    build = acme.submit(spec("stuck"))  # no scheduler here: it stays queued
+    started = time.monotonic()
+    with pytest.raises(BuildTimeout) as late:
+        acme.wait(build.id, timeout=0.8)
+    took = time.monotonic() - started
+    assert 0.8 <= took < 3.0, took
+    assert late.value.build.status == "queued" and isinstance(late.value, TimeoutError)
+    assert str(late.value).startswith(f"build {build.id} has not ended after 0.8 s: queued, 0/3 stages done")
+    assert acme.build(build.id).status == "queued"
+    with pytest.raises(ValueError, match="timeout"):
+        acme.wait(build.id, timeout=-1)
+
+
+def test_the_token_is_never_logged_even_at_debug(api, caplog):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    client = ElastifyClient(api.url, token=api.acme)
+    client.build(client.submit(spec("logged")).id)
+    list(client.iter_versions("tiny"))
+    with pytest.raises(ElastifyAPIError):
+        client.build("0123456789abcdef")
+    assert "HTTP Request" in caplog.text and api.acme not in caplog.text  # httpx did log each request
+    assert api.acme not in repr(client) and api.acme not in repr(client.http.headers)
+
+
+def test_redirects_carry_the_token_to_the_api_only_and_errors_show_no_presigned_query():
+    import httpx
+
+    sent = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        sent.append((request.url.host, request.headers.get("Authorization")))
+        if request.url.host == "api.test" and request.url.path.endswith("/files/moved"):
+            return httpx.Response(307, headers={"Location": "/v1/packages/p/1/files/here"})
+        if request.url.host == "api.test" and request.url.path.endswith("/files/here"):
+            return httpx.Response(307, headers={"Location": "http://store.test/bucket/obj?X-Amz-Signature=secret"})
+        if request.url.path.endswith("/files/gone"):
+            return httpx.Response(307, headers={"Location": "http://store.test/bucket/gone?X-Amz-Signature=secret"})
+        if request.url.path == "/bucket/obj":
+            return httpx.Response(200, content=b"weights")
+        return httpx.Response(403, text="expired")
+
+    client = ElastifyClient("http://api.test/v1", token="elst_secret", transport=httpx.MockTransport(server))
+    with client.open_file("p", "1", "moved") as response:
+        assert response.read() == b"weights"
+    assert sent == [("api.test", "Bearer elst_secret"), ("api.test", "Bearer elst_secret"), ("store.test", None)]
+    with pytest.raises(ElastifyAPIError) as refused, client.open_file("p", "1", "gone"):
+        pass
+    assert refused.value.status == 403 and "secret" not in str(refused.value)
+
+
+def test_an_answer_that_is_not_what_the_api_documents_is_a_clear_error():
+    import httpx
+
+    def server(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/builds":
+            return httpx.Response(200, json={"items": [{"id": "x"}]})  # a summary without its fields
+        return httpx.Response(200, text="<html>a proxy's page</html>")
+
+    client = ElastifyClient("http://api.test", transport=httpx.MockTransport(server))
+    with pytest.raises(ElastifyAPIError, match="the server's answer is not a page of builds: KeyError"):
+        client.builds()
+    with pytest.raises(ElastifyAPIError, match="did not answer with JSON"):
+        client.build("0123456789abcdef")
