@@ -3,11 +3,17 @@
 Rendered with Jinja2 the way Hugging Face tokenizers render it (a sandbox, trim_blocks and
 lstrip_blocks, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII), so a prompt
 here is the prompt the model was trained on.
+
+A `ChatPrompt` (a conversation and its template) is what `ElasticModel.generate` compresses a chat as:
+the contents of the turns before the last user turn, each on its own, and only then the template
+renders, so its own text (role headers, special tokens, the generation prompt) and the last user turn
+reach the model as written.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -72,3 +78,43 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+class ChatPrompt:
+    """A conversation and the template that renders it: a prompt whose compression touches message contents only.
+
+    The turns before the last user turn (the system prompt, earlier exchanges) may be compressed; the
+    last user turn, anything after it, and the template's own text never are. `text` is the prompt as
+    written; `compressed(compress)` renders it after `compress` has shortened each compressible content
+    (its leading and trailing whitespace kept as written).
+    """
+
+    def __init__(self, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True):
+        self.template = template
+        self.messages = [dict(message) for message in messages]
+        self.add_generation_prompt = add_generation_prompt
+        self.text = template.render(self.messages, add_generation_prompt)  # refused here, before any queue
+
+    def compressible(self) -> list[int]:
+        """Indices of the messages compression may shorten: text contents before the last user turn
+        (none when no turn is the user's)."""
+        last_user = max((i for i, message in enumerate(self.messages) if message.get("role") == "user"), default=0)
+        return [i for i in range(last_user) if isinstance(self.messages[i].get("content"), str)]
+
+    def compressible_text(self) -> list[str]:
+        return [self.messages[i]["content"] for i in self.compressible()]
+
+    def compressed(self, compress: Callable[[str], str]) -> str:
+        """The template rendered over the messages with each compressible content passed through `compress`."""
+        messages = [dict(message) for message in self.messages]
+        for i in self.compressible():
+            messages[i]["content"] = _compress_content(messages[i]["content"], compress)
+        return self.template.render(messages, self.add_generation_prompt)
+
+
+def _compress_content(content: str, compress: Callable[[str], str]) -> str:
+    body = content.strip()
+    if not body:
+        return content
+    start = content.index(body)
+    return content[:start] + compress(body) + content[start + len(body):]

@@ -403,9 +403,11 @@ def generate_command(
         "--frequency-penalty", help="OpenAI's: subtract this times how often a token came in the output")] = 0.0,
     presence_penalty: Annotated[float, typer.Option(
         "--presence-penalty", help="OpenAI's: subtract this from every token that came in the output")] = 0.0,
-    keep: Annotated[str, typer.Option(
-        "--keep", metavar="TEXT", show_default="nothing",
-        help="the end of the prompt that compression keeps whole (e.g. the question after a passage)")] = "",
+    keep: Annotated[str | None, typer.Option(
+        "--keep", metavar="TEXT", show_default="the prompt's question",
+        help="the end of the prompt that compression keeps whole (e.g. the question after a passage; by default "
+             "its question: from its last 'Question:' line, else its last paragraph's last line with a '?', else "
+             "its last line; '' lets all of it compress)")] = None,
     ttft_ms: _slo_option("--ttft-ms", "SLO: time to first token in milliseconds") = None,
     tpot_ms: _slo_option("--tpot-ms", "SLO: time per output token in milliseconds") = None,
     ttft_fraction: _slo_option("--ttft-fraction", f"SLO: time to first token as {FRACTION_NOTE}") = None,
@@ -417,7 +419,7 @@ def generate_command(
     if level is not None and slo is not None:
         raise _usage("--level forces a level and an SLO flag asks for one to be chosen: give one")
     text = _read_prompt(prompt, prompt_file)
-    if not text.endswith(keep):
+    if keep is not None and not text.endswith(keep):
         raise _usage("--keep must be the end of the prompt")
     if min_new_tokens > max_new_tokens:
         raise _usage("--min-new-tokens must be in 0..--max-new-tokens")

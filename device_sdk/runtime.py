@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from device_sdk import quant
+from device_sdk.chat import ChatPrompt
 from device_sdk.experts import ExpertSet
 from device_sdk.format import (
     HEAD_FORMATS,
@@ -55,7 +56,7 @@ from device_sdk.lora import PROJECTIONS, LoRA, projection_key, read_adapter
 from device_sdk.measure import estimate_profile, measure_tlm_latency
 from device_sdk.quant import BLOCK_BYTES, QUANTIZED_FORMATS, Packed, blocks_for
 from device_sdk.registry import read_local_state, verify_local
-from device_sdk.tlm import TLM, tlm_decider
+from device_sdk.tlm import TLM, question_tail, tlm_decider
 
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 # Bytes per stored weight, by weight format (int8/int4: a 34- or 18-byte block per 32 weights, device_sdk.quant;
@@ -133,6 +134,7 @@ class Generation:
     prompt_tokens: int
     finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
     decision: Decision = field(repr=False, default=None)
+    served_prompt: str = field(repr=False, default="")  # the prompt as the model read it, after any compression
 
 
 @dataclass(frozen=True)
@@ -295,8 +297,11 @@ class ElasticModel:
     def _compress(self, prompt: str, ratio: float) -> str:
         return self.tlm.compress(prompt, ratio, FORCE_TOKENS).text
 
-    def _compressed(self, prompt: str, ratio: float, keep: str) -> str:
-        """`prompt` with all but its `keep` end compressed; the whitespace before `keep` stays as it was."""
+    def _compressed(self, prompt: str | ChatPrompt, ratio: float, keep: str) -> str:
+        """`prompt` with all but its `keep` end compressed; the whitespace before `keep` stays as it was.
+        A chat's compressible contents are compressed one by one, then its template renders them."""
+        if isinstance(prompt, ChatPrompt):
+            return prompt.compressed(lambda content: self.compress(content, ratio))
         head = prompt[:len(prompt) - len(keep)]
         body = head.rstrip()
         if not body:
@@ -469,15 +474,19 @@ class ElasticModel:
     def latency_profile(self, profile: LatencyProfile) -> None:
         self._profile = profile
 
-    def generate(self, prompt: str, slo: SLO | None = None, max_new_tokens: int = 64, stream: bool = False,
-                 level: str | float | None = None, profile: str | None = None, experts: str | None = None,
-                 sampling: Sampling | None = None, stop: Sequence[str] = (), keep: str = "",
-                 min_new_tokens: int = 1):
+    def generate(self, prompt: str | ChatPrompt, slo: SLO | None = None, max_new_tokens: int = 64,
+                 stream: bool = False, level: str | float | None = None, profile: str | None = None,
+                 experts: str | None = None, sampling: Sampling | None = None, stop: Sequence[str] = (),
+                 keep: str | None = None, min_new_tokens: int = 1):
         """Generation at the level the SLO allows (or `level`), with measured TTFT/TPOT.
 
         Greedy unless `sampling` says otherwise. `keep`, an end of `prompt` (the question after a
         few-shot block or a passage), is never compressed: the TLM compresses only what comes before
-        it. Generation ends at the end-of-sequence token, at
+        it. By default (None) it is the prompt's question (`tlm.question_tail`: from its last
+        "Question:" line, else its last paragraph's last line with a "?", else its last line); "" lets all of it compress.
+        A `ChatPrompt` compresses only the contents of the turns before the last user turn, then its
+        template renders: the template's text and the last user turn are served as written (no `keep`).
+        Generation ends at the end-of-sequence token, at
         `max_new_tokens`, or at the first of the `stop` strings, which is left out of the text
         (finish_reason "stop"); streamed text holds back what could be the start of a stop string.
         The end-of-sequence token cannot come before `min_new_tokens` tokens: a model told "do not add
@@ -489,7 +498,13 @@ class ElasticModel:
             raise ValueError(f"min_new_tokens must be in 0..max_new_tokens ({max_new_tokens}), not {min_new_tokens}")
         if any(not s for s in stop):
             raise ValueError("a stop string must not be empty")
-        if not prompt.endswith(keep):
+        if isinstance(prompt, ChatPrompt):
+            if keep:
+                raise ValueError("`keep` is for a plain prompt; a chat keeps its last user turn whole")
+            keep = ""
+        elif keep is None:
+            keep = question_tail(prompt)
+        elif not prompt.endswith(keep):
             raise ValueError("`keep` must be the end of the prompt")
         steps = self._generate(prompt, slo, max_new_tokens, level, profile, experts, sampling, tuple(stop), keep,
                                min_new_tokens)
@@ -502,12 +517,14 @@ class ElasticModel:
             return done.value
 
     @torch.inference_mode()
-    def _generate(self, prompt: str, slo: SLO | None, max_new_tokens: int, level, profile=None,
+    def _generate(self, request: str | ChatPrompt, slo: SLO | None, max_new_tokens: int, level, profile=None,
                   experts=None, sampling: Sampling | None = None, stops: tuple[str, ...] = (),
                   keep: str = "", min_new_tokens: int = 1) -> Iterator[str]:
         latency = self.latency_profile if slo is not None else None  # read or measured once, not per request
-        # TTFT runs from here: tokenising, the TLM's decision and compression, prefill.
+        # TTFT runs from here: rendering, tokenising, the TLM's decision and compression, prefill.
         started = time.perf_counter()
+        prompt = request.text if isinstance(request, ChatPrompt) else request
+        served = prompt
         ids = self.tokenizer.encode(prompt).ids
         if not ids:
             raise ValueError("the prompt encodes to no tokens")
@@ -519,13 +536,15 @@ class ElasticModel:
                             "because it was asked for", forced.name, _quality_summary(forced))
             decision = Decision(forced.name)
         elif slo is not None:
-            kept_tokens = min(len(self.tokenizer.encode(keep, add_special_tokens=False).ids), len(ids)) if keep else 0
-            decision = self.decide(prompt, len(ids), slo, latency, levels, kept_tokens=kept_tokens)
+            decision = self.decide(prompt, len(ids), slo, latency, levels,
+                                   kept_tokens=self._kept_tokens(request, len(ids), keep))
         else:
             decision = Decision(levels[-1].name)
         prompt_tokens = len(ids)  # a relative SLO is relative to the full model on the prompt as given
         if decision.prompt_ratio < 1.0 and self.compress is not None:
-            ids = self.tokenizer.encode(self._compressed(prompt, decision.prompt_ratio, keep)).ids
+            served = self._compressed(request if isinstance(request, ChatPrompt) else prompt,
+                                      decision.prompt_ratio, keep)
+            ids = self.tokenizer.encode(served).ids
         if decision.level != self.level:
             self.set_level(decision.level)  # KV cache is per request, so switching here is safe
         context = self.manifest.architecture.max_position
@@ -585,5 +604,14 @@ class ElasticModel:
             if level is None and self.profile is None and not self._mixed:  # served at a level's own widths
                 latency.observe(self.level, len(ids), (stamps[0] - prefill_started) * 1000, tpot_ms)
         finish = "stop" if stopped or tokens[-1] in self.eos_ids else "length"
-        return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision)
+        return Generation(text, tokens, self.level, ttft_ms, tpot_ms, met, len(ids), finish, decision, served)
+
+    def _kept_tokens(self, request: str | ChatPrompt, prompt_tokens: int, keep: str) -> int:
+        """Tokens of the prompt compression never touches, for the cost model: `keep`, or all of a chat
+        but its compressible contents (the template's text and the last user turn)."""
+        if isinstance(request, ChatPrompt):
+            compressible = sum(len(self.tokenizer.encode(content, add_special_tokens=False).ids)
+                               for content in request.compressible_text())
+            return max(0, prompt_tokens - compressible)
+        return min(len(self.tokenizer.encode(keep, add_special_tokens=False).ids), prompt_tokens) if keep else 0
 

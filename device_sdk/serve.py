@@ -6,14 +6,17 @@
                                 "model": "NAME@0.5",   # a level id from /v1/models; "NAME" lets the SLO decide
                                 "slo": {"ttft_ms": 200, "tpot_ms": 40},   # or {"ttft": 0.5, "tpot": 0.8}
                                 "level": "0.5",  # extension: the level, as model="NAME@0.5" does
-                                "keep": "...",   # the prompt's end that compression keeps whole
+                                "keep": "...",   # the prompt's end that compression keeps whole (default: its question)
                                 "min_tokens": 1} # tokens before end-of-sequence may come (0 allows none)
     POST /v1/chat/completions  {"messages": [{"role": "user", "content": "..."}], ...the same fields}
     GET  /v1/models   NAME (the SLO-decided default) and NAME@<level> per level held; a level the
                       package's report card marks unusable has "elastify": {"usable": false}
     GET  /health, GET /metrics (Prometheus text: requests, tokens, TTFT/TPOT by level, SLO met/missed, queue)
 
-Chat prompts are rendered with the package's own chat template. Without `temperature` or
+Chat prompts are rendered with the package's own chat template. Under an SLO whose prompt ratio is below 1,
+only the contents of the turns before the last user turn are compressed, and then the template renders:
+its own text and the last user turn reach the model as written. A completion keeps its question whole
+(`keep`, by default the SDK's `question_tail`). Without `temperature` or
 `top_p` decoding is greedy; with either it samples (the other defaults to 1, as OpenAI's do),
 reproducibly for a given `seed`. OpenAI's frequency and presence penalties and vLLM's
 `repetition_penalty` apply greedy or sampled (runtime.Sampling). A parameter this server does not honour
@@ -55,7 +58,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from device_sdk.chat import ChatTemplate, ChatTemplateError
+from device_sdk.chat import ChatPrompt, ChatTemplate, ChatTemplateError
 from device_sdk.latency import SLO
 from device_sdk.runtime import Sampling
 
@@ -248,7 +251,8 @@ class CompletionService:
 def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemplate | None = None) -> dict:
     """Validate a completion (`kind` "completion") or chat request; raises RequestError for the client.
 
-    A chat request's messages are rendered to `prompt` with `chat_template`.
+    A chat request's `prompt` is a ChatPrompt over `chat_template` (rendered here, so a conversation the
+    template refuses is a 400 before it is queued; compressed per message content by the model).
     """
     try:
         data = json.loads(body or b"{}", parse_constant=_no_constant)
@@ -271,7 +275,7 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
         if chat_template is None:
             raise RequestError("this package has no chat template; use /v1/completions", param="messages")
         try:
-            prompt = chat_template.render(parse_messages(data.get("messages")))
+            prompt = ChatPrompt(chat_template, parse_messages(data.get("messages")))
         except ChatTemplateError as err:
             raise RequestError(str(err), param="messages") from None
         max_tokens = _max_tokens(data, "max_completion_tokens", CHAT_DEFAULT_MAX_TOKENS)
@@ -285,8 +289,8 @@ def parse_request(body: bytes, kind: str = "completion", chat_template: ChatTemp
     min_tokens = data.get("min_tokens", 1)  # vLLM's extension; 1, not its 0: an empty answer is no answer
     if not _is_int(min_tokens) or not 0 <= min_tokens <= max_tokens:
         raise RequestError(f"min_tokens must be an integer in 0..max_tokens ({max_tokens})", param="min_tokens")
-    keep = data.get("keep", "")
-    if not isinstance(keep, str) or not prompt.endswith(keep):
+    keep = data.get("keep")  # None: the SDK keeps the prompt's question (chat: its last user turn)
+    if keep is not None and (not isinstance(keep, str) or not prompt.endswith(keep)):
         raise RequestError("keep must be a string that ends the prompt (the part compression keeps whole)",
                            param="keep")
     stream = data.get("stream") or False

@@ -73,6 +73,33 @@ def encode_words(tokenizer: Tokenizer, words: list[str], max_length: int) -> lis
     return chunks
 
 
+QUESTION_MARKERS = ("Question:", "Q:")  # a line opening with one starts the question (the labelled layout)
+
+
+def question_tail(prompt: str) -> str:
+    """The end of a completion prompt that compression leaves whole unless told otherwise: its question.
+
+    It runs to the end of the prompt from the start of the last line that opens with a question marker
+    ("Question:" or "Q:"; the labelled layout "…passage…\\nQuestion: …\\nAnswer:", whose question the label
+    stage keeps whole, so a prompt is served as its labels were made), else of the last line of the last
+    paragraph that holds a "?", else of the last line with text. Whole lines, never a part of one: a
+    question's own context ("Tom has 3 apples. How many…?") stays with it, and a one-line prompt is all
+    question, so nothing in it is compressed.
+    """
+    starts = [0] + [m.end() for m in re.finditer("\n", prompt)]  # where each line starts
+    lines = [prompt[start:end] for start, end in zip(starts, [*starts[1:], len(prompt)], strict=True)]
+    marked = [i for i, line in enumerate(lines) if line.lstrip().startswith(QUESTION_MARKERS)]
+    written = [i for i, line in enumerate(lines) if line.strip()]
+    if marked:
+        first = marked[-1]
+    elif written:
+        blank = max((i for i in range(written[-1]) if not lines[i].strip()), default=-1)  # the last paragraph's edge
+        first = ([i for i in written if i > blank and "?" in lines[i]] or written)[-1]
+    else:
+        return prompt
+    return prompt[starts[first]:]
+
+
 @dataclass
 class Compressed:
     text: str

@@ -114,9 +114,12 @@ def test_sdk_decision_hook_replaces_the_profile_rule(model):
 
     model.decide = tlm_decide
     model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
-    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2, keep="")  # "": all of it compresses
     assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100), 0)
     assert out.level == "0.5" and out.prompt_tokens == 4
+    # By default a completion keeps its question (here the one line, all of it) and the cost model knows.
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
+    assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100), 8) and out.prompt_tokens == 8
     # The end kept whole is counted for the cost model, and only the rest is compressed.
     out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2, keep="efgh")
     assert seen["args"] == ("abcdefgh", 8, SLO(tpot_ms=100), 4)
@@ -134,7 +137,7 @@ def test_a_relative_slo_is_judged_against_the_prompt_as_given_not_the_compressed
     monkeypatch.setattr(SLO, "absolute", recording)
     model.decide = lambda prompt, prompt_tokens, slo, profile, levels, kept_tokens: Decision("0.5", prompt_ratio=0.5)
     model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
-    out = model.generate("abcdefgh", slo=SLO.fraction(ttft=0.9, tpot=0.9), max_new_tokens=2)
+    out = model.generate("abcdefgh", slo=SLO.fraction(ttft=0.9, tpot=0.9), max_new_tokens=2, keep="")
     assert out.prompt_tokens == 4  # what ran
     assert asked == [8]  # what the target is relative to: the full model on all 8 tokens
     assert out.slo_met == absolute(SLO.fraction(ttft=0.9, tpot=0.9), model.latency_profile, 8).met(
@@ -153,7 +156,7 @@ def test_generate_teaches_the_profile_what_its_decided_requests_measured(model, 
     assert 0 < prefill_ms <= out.ttft_ms and tpot_ms == out.tpot_ms  # prefill alone: no tokenising or TLM
     model.decide = lambda prompt, prompt_tokens, slo, profile, levels, kept_tokens: Decision("0.75", prompt_ratio=0.5)
     model.compress = lambda prompt, ratio: prompt[: int(len(prompt) * ratio)]
-    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2)
+    out = model.generate("abcdefgh", slo=SLO(tpot_ms=100), max_new_tokens=2, keep="")
     assert seen[-1][:2] == ("0.75", 4) == (out.level, out.prompt_tokens)
     model.generate("hello", slo=SLO(tpot_ms=2.5), max_new_tokens=2, level="1.0")
     model.generate("hello", max_new_tokens=2)
