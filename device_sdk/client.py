@@ -513,7 +513,8 @@ class ElastifyClient:
 
         `on_progress(event)` is called with each event as it arrives (state changes, stage log
         lines and progress reports: `event.kind`), from the first one on. Past `timeout`
-        seconds BuildTimeout is raised; the build itself is left running.
+        seconds BuildTimeout is raised (at worst one server keepalive, 15 s, late); the build
+        itself is left running.
         """
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")

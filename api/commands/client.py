@@ -46,9 +46,10 @@ MAX_PIPED_WIDTH = 10_000  # characters: a piped table is as wide as its content,
 
 @contextlib.contextmanager
 def connected(server: str, token: str | None) -> Iterator[ElastifyClient]:
-    """A client; any API error becomes a clear message and a non-zero exit (2 for a 4xx)."""
+    """A client, closed on exit; any API error becomes a clear message and a non-zero exit (2 for a 4xx)."""
     try:
-        yield ElastifyClient(server or DEFAULT_SERVER, token=token)
+        with ElastifyClient(server or DEFAULT_SERVER, token=token) as client:
+            yield client
     except ElastifyAPIError as err:  # the message, then every field error a 422 lists
         if 400 <= err.status < 500:
             fail(err.describe())
