@@ -82,18 +82,14 @@ class ElasticLinear(nn.Module):
         self.max_units = shape[0] // unit_size
         self.storage = nn.Parameter(storage, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.scales: torch.Tensor | None = None  # per-channel int8 storage: one fp32 scale per output channel
         self.kernel = None  # callable(x, layer) -> y, set by use_kernel
         self.cursor: LevelCursor | None = None
         self.level_widths: list[Width] = []
         self.set_width(self.max_units)
 
-    def use_kernel(self, kernel, scales: torch.Tensor | None = None) -> None:
-        """Run `forward` through `kernel(x, self)`; `scales` dequantize int8 storage."""
-        if self.storage.dtype == torch.int8 and scales is None:
-            raise ValueError("int8 storage needs per-output-channel scales")
+    def use_kernel(self, kernel) -> None:
+        """Run `forward` through `kernel(x, self)`."""
         self.kernel = kernel
-        self.scales = scales
 
     @property
     def in_features(self) -> int:

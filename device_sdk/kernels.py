@@ -148,9 +148,6 @@ def reference_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
         weight = quant.dequantize(layer.storage, layer.unit_axis, layer.block_format, layer.active_rows, layer.shape[1])
     else:
         weight = layer.active_weight.float()
-    if layer.scales is not None:
-        scales = layer.scales[: layer.active_rows] if layer.unit_axis == "out" else layer.scales
-        weight = weight * (scales[:, None] if layer.unit_axis == "out" else scales[None, :])
     bias = None if layer.active_bias is None else layer.active_bias.float()
     if layer.unit_axis == "out":
         return torch.nn.functional.linear(x, weight, bias)
@@ -162,11 +159,11 @@ def reference_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
 
 # From this many input rows on (prefill, batched scoring) torch's GEMM beats the native kernel,
 # which is shaped for decode's single row. Measured on SmolLM2's MLP shapes at one thread:
-# 128 rows fp32 3.5 ms torch vs 7.8 ms native; fp16/int8 (dequantized per call) 2.8-4.8 vs 3.7-7.9.
+# 128 rows fp32 3.5 ms torch vs 7.8 ms native; fp16 (dequantized per call) 2.8-4.8 vs 3.7-7.9.
 # Block-quantised storage (uint8): one integer GEMV per row; from 16 rows on the active prefix is
 # dequantised once (in C++) for torch's GEMM (not yet measured on this machine: a guess from
 # the fp32 crossover).
-GEMM_ROWS = {torch.float32: 16, torch.float16: 64, torch.int8: 64, torch.uint8: 16}
+GEMM_ROWS = {torch.float32: 16, torch.float16: 64, torch.uint8: 16}
 
 
 def _quantized_linear(flat: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
@@ -194,9 +191,7 @@ def native_linear(x: torch.Tensor, layer: ElasticLinear) -> torch.Tensor:
         return reference_linear(x, layer)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.float().contiguous()
-    y = native_module().elastic_linear(
-        flat, layer.storage, layer.scales, layer.active_rows, layer.unit_axis == "out", layer.bias
-    )
+    y = native_module().elastic_linear(flat, layer.storage, layer.active_rows, layer.unit_axis == "out", layer.bias)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -230,8 +225,8 @@ def make_linear(
 
 
 def _spec(linear: ElasticLinear) -> tuple:
-    """(storage, scales, bias, block format code, unpacked columns): decoder.h's ProjectionSpec."""
-    return linear.storage, linear.scales, linear.bias, quant.FORMAT_CODES.get(linear.block_format, 0), linear.shape[1]
+    """(storage, bias, block format code, unpacked columns): decoder.h's ProjectionSpec."""
+    return linear.storage, linear.bias, quant.FORMAT_CODES.get(linear.block_format, 0), linear.shape[1]
 
 
 class NativeDecoder:

@@ -1,6 +1,6 @@
 // The native decode step: one call runs a whole Llama-family token (batch 1, one position),
 // the same computation as llama.py's forward, at the active widths, on the same unit-major
-// (memory-mapped, possibly fp16/int8) storage. Per layer:
+// (memory-mapped, possibly fp16 or block-quantised) storage. Per layer:
 //
 //   h = RMSNorm(x); q, k, v = prefix GEMVs of h (+ bias, + LoRA); RoPE(q, k); append k, v to
 //   the KV cache; attention of each query head over its KV group (GQA, sliding window);
@@ -31,10 +31,10 @@
 namespace elastic {
 
 // One ElasticLinear: its whole storage ([rows, in] row units, or transposed [in, out]; or those
-// packed in quant.h's blocks, `fmt`), per-output-channel scales for per-channel int8, an optional
-// bias, and the active LoRA, y += s·B·(A·x) with A [r, in_active], B [out_active, r].
+// packed in quant.h's blocks, `fmt`), an optional bias, and the active LoRA, y += s·B·(A·x) with
+// A [r, in_active], B [out_active, r].
 struct Projection {
-  torch::Tensor storage, scales, bias, lora_a, lora_b;
+  torch::Tensor storage, bias, lora_a, lora_b;
   float lora_scale = 0;
   int64_t fmt = quant::NONE;
   int64_t logical_cols = 0;  // in (row units) or out (column units): the unpacked storage's columns
@@ -49,8 +49,7 @@ struct Projection {
     switch (storage.scalar_type()) {
       case torch::kFloat: f(storage.data_ptr<float>()); break;
       case torch::kHalf: f(storage.data_ptr<c10::Half>()); break;
-      case torch::kChar: f(storage.data_ptr<int8_t>()); break;
-      default: TORCH_CHECK(false, "storage must be fp32, fp16 or int8");
+      default: TORCH_CHECK(false, "storage must be fp32 or fp16, or fmt block-quantised");
     }
   }
 
@@ -61,14 +60,13 @@ struct Projection {
     for (int64_t j = 0; j < rank(); ++j) t[j] = dot(x, a + j * in, in);
   }
 
-  // The per-output-channel tail of a GEMV for outputs [begin, end): scale, bias, LoRA.
+  // The per-output-channel tail of a GEMV for outputs [begin, end): bias, LoRA.
   void finish(float* y, int64_t begin, int64_t end, const float* t) const {
-    const float* scale = scales.defined() ? scales.data_ptr<float>() : nullptr;
     const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
     const float* lb = has_lora() ? lora_b.data_ptr<float>() : nullptr;
     const int64_t r = rank();
     for (int64_t n = begin; n < end; ++n) {
-      float value = scale != nullptr ? y[n] * scale[n] : y[n];
+      float value = y[n];
       if (b != nullptr) value += b[n];
       if (lb != nullptr) {
         float delta = 0;

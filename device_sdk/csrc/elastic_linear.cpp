@@ -5,10 +5,9 @@
 // Column units (o/down): storage Wt [rows, out] (transposed); the first `active` rows are
 //   the active inputs, y[m, n] = Σ_k x[m, k] · Wt[k, n].
 //
-// Storage is fp32, fp16 or int8 with one fp32 scale per output channel (per row of W, per
-// column of Wt), so a prefix of any width dequantizes with the same scales. Threads split
-// the output channels (OpenMP); M == 1 (decode) runs a GEMV, M > 1 (prefill) a GEMM that
-// dequantizes each weight tile once and reuses it for every input row.
+// Storage is fp32 or fp16. Threads split the output channels (OpenMP); M == 1 (decode) runs a
+// GEMV, M > 1 (prefill) a GEMM that converts each weight tile once and reuses it for every
+// input row.
 //
 // Block-quantised storage (quant.h: int8 and int4 blocks of 32 along the reduction) runs
 // `quant_linear`: each input row is quantised to int8 blocks and multiplied with integer dot
@@ -32,14 +31,9 @@
 
 namespace {
 
-// --- dequantize a run of weights into fp32 (the scale is applied to the result, later)
+// --- convert a run of weights into fp32
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
-
-inline void to_float(const int8_t* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
 
 inline void to_float(const at::Half* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -65,7 +59,7 @@ int threads_for(int64_t work_items, int64_t macs) {
 constexpr int64_t ROW_TILE = 8;  // weight rows dequantized together and reused across x rows
 
 template <typename T>
-void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+void rows_kernel(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
   const int64_t tiles = (N + ROW_TILE - 1) / ROW_TILE;
 #pragma omp parallel num_threads(threads_for(tiles, M * N * K))
   {
@@ -73,10 +67,8 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
 #pragma omp for schedule(static)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t n0 = tile * ROW_TILE, rows = std::min(ROW_TILE, N - n0);
-      if (M == 1) {  // decode: dequantize inside the dot product, each weight read once
+      if (M == 1) {  // decode: convert inside the dot product, each weight read once
         elastic::gemv_rows(x, w, K, n0, n0 + rows, y);
-        if (scale != nullptr)
-          for (int64_t j = n0; j < n0 + rows; ++j) y[j] *= scale[j];
         continue;
       }
       const float* wt;
@@ -123,9 +115,6 @@ void rows_kernel(const float* x, const T* w, const float* scale, float* y, int64
           y[m * N + n0 + j] = acc;
         }
       }
-      if (scale != nullptr)
-        for (int64_t mm = 0; mm < M; ++mm)
-          for (int64_t j = 0; j < rows; ++j) y[mm * N + n0 + j] *= scale[n0 + j];
     }
   }
 }
@@ -156,7 +145,7 @@ void columns_gemm_block(const float* x, const T* w, float* y, int64_t M, int64_t
 }
 
 template <typename T>
-void columns_kernel(const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N, int64_t K) {
+void columns_kernel(const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
   constexpr int64_t GEMM_BLOCK = 16, GEMM_ROWS = 4;
   if (M == 1) {  // decode: each thread streams whole runs of its output columns down the rows
     const int64_t parts = threads_for((N + 15) / 16, N * K);
@@ -175,25 +164,21 @@ void columns_kernel(const float* x, const T* w, const float* scale, float* y, in
         columns_gemm_block<GEMM_ROWS, GEMM_BLOCK>(x, w, y, M, N, K, b * GEMM_BLOCK, panel);
     }
   }
-  if (scale != nullptr)
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] *= scale[n];
 }
 
 template <typename T>
-void dispatch(bool row_units, const float* x, const T* w, const float* scale, float* y, int64_t M, int64_t N,
-              int64_t K) {
+void dispatch(bool row_units, const float* x, const T* w, float* y, int64_t M, int64_t N, int64_t K) {
   if (row_units)
-    rows_kernel<T>(x, w, scale, y, M, N, K);
+    rows_kernel<T>(x, w, y, M, N, K);
   else
-    columns_kernel<T>(x, w, scale, y, M, N, K);
+    columns_kernel<T>(x, w, y, M, N, K);
 }
 
 }  // namespace
 
 // x: [M, in_active] fp32. storage: the whole unit-major tensor. active: leading rows in use.
-torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::optional<torch::Tensor> scales,
-                             int64_t active, bool row_units, c10::optional<torch::Tensor> bias) {
+torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, int64_t active, bool row_units,
+                             c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   TORCH_CHECK(storage.dim() == 2 && storage.is_contiguous() && storage.device().is_cpu(), "storage must be contiguous 2-D CPU");
   TORCH_CHECK(0 <= active && active <= storage.size(0), "active rows out of range");
@@ -201,13 +186,6 @@ torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::option
   const int64_t K = row_units ? storage.size(1) : active;
   const int64_t N = row_units ? active : storage.size(1);
   TORCH_CHECK(x.size(1) == K, "input has ", x.size(1), " features, the active width needs ", K);
-  const float* scale = nullptr;
-  if (storage.scalar_type() == torch::kChar) {
-    TORCH_CHECK(scales.has_value(), "int8 storage needs scales");
-    TORCH_CHECK(scales->scalar_type() == torch::kFloat && scales->is_contiguous(), "scales must be contiguous fp32");
-    TORCH_CHECK(scales->numel() == (row_units ? storage.size(0) : storage.size(1)), "one scale per output channel");
-    scale = scales->data_ptr<float>();
-  }
   auto y = torch::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
     if (K == 0) {
@@ -216,10 +194,9 @@ torch::Tensor elastic_linear(torch::Tensor x, torch::Tensor storage, c10::option
       const float* xp = x.data_ptr<float>();
       float* yp = y.data_ptr<float>();
       switch (storage.scalar_type()) {
-        case torch::kFloat: dispatch(row_units, xp, storage.data_ptr<float>(), scale, yp, M, N, K); break;
-        case torch::kHalf: dispatch(row_units, xp, storage.data_ptr<at::Half>(), scale, yp, M, N, K); break;
-        case torch::kChar: dispatch(row_units, xp, storage.data_ptr<int8_t>(), scale, yp, M, N, K); break;
-        default: TORCH_CHECK(false, "storage must be fp32, fp16 or int8");
+        case torch::kFloat: dispatch(row_units, xp, storage.data_ptr<float>(), yp, M, N, K); break;
+        case torch::kHalf: dispatch(row_units, xp, storage.data_ptr<at::Half>(), yp, M, N, K); break;
+        default: TORCH_CHECK(false, "storage must be fp32 or fp16 (block-quantised storage runs quant_linear)");
       }
     }
   }
@@ -338,28 +315,26 @@ std::string set_quant_isa(const std::string& name) {
   return ISA_NAMES[chosen];
 }
 
-// (storage, scales, bias, block format, unpacked columns) of one ElasticLinear, as the decoder keeps it.
-using ProjectionSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, int64_t, int64_t>;
+// (storage, bias, block format, unpacked columns) of one ElasticLinear, as the decoder keeps it.
+using ProjectionSpec = std::tuple<torch::Tensor, c10::optional<torch::Tensor>, int64_t, int64_t>;
 
 elastic::Projection make_projection(const ProjectionSpec& spec, bool row_units) {
   elastic::Projection p;
   p.storage = std::get<0>(spec);
   TORCH_CHECK(p.storage.dim() == 2 && p.storage.is_contiguous() && p.storage.device().is_cpu(),
               "storage must be contiguous 2-D CPU");
-  if (std::get<1>(spec).has_value()) p.scales = std::get<1>(spec)->to(torch::kFloat).contiguous();
-  if (std::get<2>(spec).has_value()) p.bias = std::get<2>(spec)->to(torch::kFloat).contiguous();
-  p.fmt = std::get<3>(spec);
-  p.logical_cols = std::get<4>(spec);
+  if (std::get<1>(spec).has_value()) p.bias = std::get<1>(spec)->to(torch::kFloat).contiguous();
+  p.fmt = std::get<2>(spec);
+  p.logical_cols = std::get<3>(spec);
   if (p.quantized())
     check_packed(p.storage, p.fmt, p.logical_cols, row_units);
   else
     TORCH_CHECK(p.logical_cols == p.storage.size(1), "unpacked storage has ", p.storage.size(1), " columns, not ", p.logical_cols);
-  TORCH_CHECK(p.storage.scalar_type() != torch::kChar || p.scales.defined(), "int8 storage needs scales");
   return p;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("elastic_linear", &elastic_linear, "ElasticLinear over a unit-major prefix (fp32/fp16/int8)");
+  m.def("elastic_linear", &elastic_linear, "ElasticLinear over a unit-major prefix (fp32/fp16)");
   m.def("quant_linear", &quant_linear, "ElasticLinear over a block-quantised prefix, integer dot products");
   m.def("dequantize", &dequantize, "a block-quantised prefix as fp32 [out, in]");
   m.def("quant_isas", &quant_isas, "instruction sets the quantised kernels can use here, best last");

@@ -1,5 +1,5 @@
-// SIMD primitives shared by the ElasticLinear op and the decoder: fp32, fp16 and int8 weight
-// runs read into fp32 registers, multiplied and summed in fp32.
+// SIMD primitives shared by the ElasticLinear op and the decoder: fp32 and fp16 weight runs
+// read into fp32 registers, multiplied and summed in fp32 (block-quantised weights: quant.h).
 //
 //   gemv_rows(x, w, K, begin, end, y)        y[n] = Σ_k x[k]·w[n·K + k], rows [begin, end)
 //   gemv_columns(x, w, N, K, begin, end, y)  y[n] = Σ_{k<K} x[k]·w[k·N + n], n in [begin, end)
@@ -28,9 +28,6 @@ struct Simd {
   static reg zero() { return _mm512_setzero_ps(); }
   static reg set1(float v) { return _mm512_set1_ps(v); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
-  static reg load(const int8_t* p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
   static reg load(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
@@ -43,9 +40,6 @@ struct Simd {
   static reg zero() { return _mm256_setzero_ps(); }
   static reg set1(float v) { return _mm256_set1_ps(v); }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static reg load(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  }
   static reg load(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
@@ -78,9 +72,9 @@ inline void axpy(float a, const T* w, float* y, int64_t n) {
 }
 
 // How many weight streams to read at once. Measured on Zen 5 (AVX-512, 1 thread): weights
-// that need converting (int8, fp16) stream fastest one row at a time with four accumulators
-// (~30 GB/s; two to four rows at once fell to 11-17 GB/s), fp32 four rows at a time, and
-// fp32 column updates eight input rows per pass over y (one for the converted types).
+// that need converting (fp16, and the per-channel int8 there was) stream fastest one row at a
+// time with four accumulators (~30 GB/s; two to four rows at once fell to 11-17 GB/s), fp32
+// four rows at a time, and fp32 column updates eight input rows per pass over y (one for fp16).
 template <typename T>
 struct Streams {
   static constexpr int rows = 1, unroll = 4, column_rows = 1;
