@@ -90,6 +90,8 @@ class ChatPrompt:
     """
 
     def __init__(self, template: ChatTemplate, messages: list[dict], add_generation_prompt: bool = True):
+        if not isinstance(messages, list | tuple) or not all(isinstance(m, dict) for m in messages):
+            raise ChatTemplateError("messages must be a list of {'role': ..., 'content': ...} objects")
         self.template = template
         self.messages = [dict(message) for message in messages]
         self.add_generation_prompt = add_generation_prompt

@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 
-from device_sdk.chat import ChatPrompt, ChatTemplate
+from device_sdk.chat import ChatPrompt, ChatTemplate, ChatTemplateError
 from device_sdk.format import Level
 from device_sdk.latency import SLO, Decision, Drift, LatencyProfile, LevelLatency
 from device_sdk.runtime import ElasticModel
@@ -124,6 +124,8 @@ def test_compressible_turns_are_those_before_the_last_user_turn():
     assert ChatPrompt(TEMPLATES["chatml"], [{"role": "user", "content": "q"}]).compressible() == []
     assert chat.compressed(lambda text: "") == chat.template.render(
         [{"role": "system", "content": ""}, {"role": "user", "content": ""}, *chat.messages[2:]])
+    with pytest.raises(ChatTemplateError, match="messages must be a list"):
+        ChatPrompt(TEMPLATES["chatml"], ["hi"])
 
 
 @pytest.mark.parametrize("template", TEMPLATES)
