@@ -6,7 +6,8 @@ Q8_0 / Q4_0 on the same weights and the same tokens.
 Text: windows of LAMBADA and of PTB's test split, cut with the package's tokenizer; every engine gets the
 same token ids. Per window, the mean next-token NLL.
 
-SDK (`ElasticModel`, fp32 / int8 / int4 at load, every level of the package), two ways:
+SDK (`ElasticModel`, fp32 / int8 / int4 at load, every level of the package; at int4 the LM head, here the
+tied embedding, stays Q8_0 as in llama.cpp's Q4_0 and in the package's int4 file), two ways:
   decode:  one token per step, the windows as rows of a batch under 16 (device_sdk.kernels.GEMM_ROWS):
            the integer kernels with each token's activations quantised per block of 32, as a device's
            decode computes;
