@@ -1,5 +1,7 @@
 """The whole ElastiLM chain as one build on Ray, PostgreSQL and SeaweedFS, then served by the SDK.
 
+The build's one real run on the cluster: it also checks the package rows, aliases and the cached resubmission.
+
 profile → elastify → corpus-generate × shards → corpus → recover × levels (top-down, warm-started)
 → recover-install → latency → tlm-score → label × shards → label-derive → tlm-decision → evaluate
 → publish, on SmolLM2 with small grids. The published
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 
 from api.app import default_registry
+from cluster.models import Alias, Package
 from cluster.packages import package_prefix
 from cluster.service import build_summary, submit_build
 from cluster.spec import parse_spec
@@ -40,17 +44,29 @@ def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2
         "source": {"model": str(smollm2_dir)},
         "levels": [0.5, 0.7, 1.0],
         "stages": {name: {"settings": own} for name, own in SMALL.items()},
-        "publish": {"name": "smollm2-elastilm", "version": "0.0.1"},
+        "publish": {"name": "smollm2-elastilm", "version": "0.0.1", "aliases": ["latest", "stable"]},
     })
+    prefix = package_prefix("smollm2-elastilm", "0.0.1")
     scheduler = started(settings, registry)
     try:
         build_id = submit_build(scheduler.sessions, spec, registry)
         scheduler.run_until_done([build_id], timeout=1500)
         summary = build_summary(scheduler.sessions, build_id)
+        assert summary["status"] == "succeeded", summary
         store = scheduler.store
+        with scheduler.sessions() as session:
+            package = session.scalar(select(Package).where(Package.name == "smollm2-elastilm"))
+            aliases = {a.alias: a.package_id for a in session.scalars(select(Alias))}
+        assert package.uri == prefix and aliases == {"latest": package.id, "stable": package.id}
+
+        # An identical resubmission is served from the cache, and publishing it again is a no-op.
+        again = submit_build(scheduler.sessions, spec, registry)
+        scheduler.run_until_done([again], timeout=300)
+        repeat = build_summary(scheduler.sessions, again)
     finally:
         scheduler.close()
-    assert summary["status"] == "succeeded", summary
+    assert repeat["status"] == "succeeded" and repeat["cache_hits"] == len(summary["stages"]), repeat
+    assert all(s["attempts"] == [] for s in repeat["stages"]) and repeat["package"]["uri"] == prefix
     stages = {s["key"]: s for s in summary["stages"]}
     assert set(stages) == {"profile", "elastify", "corpus-generate[0]", "corpus-generate[1]", "corpus",
                            "recover[0.5]", "recover[0.7]", "recover-install", "latency",
@@ -66,13 +82,13 @@ def test_elastilm_chain_builds_on_ray_and_serves_tlm_decisions(tmp_path, smollm2
         assert metrics["eval_loss_after"] < metrics["eval_loss_before"], metrics
         assert metrics["corpus_dir"] and (metrics["warm_start_from"] is not None) == (level == "0.5"), metrics
 
-    # Pull the published package and check every part the chain put in.
-    prefix = package_prefix("smollm2-elastilm", "0.0.1")
+    # Pull the published package, verify every file and the signature, and check every part the chain put in.
     local = tmp_path / "pulled"
     for key in store.list(prefix):
         store.get_file(key, local / key[len(prefix) + 1:])
     model = ElasticModel.load(local, public_key=settings.public_key_b64())
     manifest = model.manifest
+    assert manifest.build_id == build_id
     assert [level.adapter for level in manifest.elastic.levels] == [
         "adapters/recovery/0.5.safetensors", "adapters/recovery/0.7.safetensors", None]
     assert set(manifest.latency_profile["levels"]) == {"0.5", "0.7", "1.0"}
