@@ -391,6 +391,7 @@ def test_the_token_is_never_logged_even_at_debug(api, caplog):
     import logging
 
     caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="httpx")  # the CLI quiets httpx to WARNING (api/progress.py)
     client = ElastifyClient(api.url, token=api.acme)
     client.build(client.submit(spec("logged")).id)
     list(client.iter_versions("tiny"))
