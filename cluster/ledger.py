@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from cluster.models import Attempt, Build, Event, Stage
+from cluster.models import Attempt, Build, Event, Stage, utcnow
 
 GROUPS = {
     "build": Stage.build_id,
@@ -101,3 +101,28 @@ def compute_by_stage_type(session) -> dict[str, dict[str, float]]:
         row["cpu_seconds"] += max(cpu or 0.0, cpu_so_far or 0.0)
         row["gpu_seconds"] += max(gpu or 0.0, (wall_so_far or 0.0) * (num_gpus or 0.0))
     return totals
+
+
+def charged_gpu_seconds(session, build_ids, now=None) -> dict[str, float]:
+    """{build id: GPU-seconds its attempts have been charged so far}: the measured charge of ended attempts,
+    and wall time so far × GPUs granted of running ones (what replaces a build's GPU reservation)."""
+    ids = list(build_ids)
+    if not ids:
+        return {}
+    now = now or utcnow()
+    charged = {
+        build_id: float(gpu or 0.0)
+        for build_id, gpu in session.execute(
+            select(Stage.build_id, func.sum(Attempt.gpu_seconds)).select_from(Attempt)
+            .join(Stage, Stage.id == Attempt.stage_id)
+            .where(Stage.build_id.in_(ids), Attempt.ended_at.is_not(None)).group_by(Stage.build_id)
+        )
+    }
+    running = session.execute(
+        select(Stage.build_id, Attempt.started_at, Attempt.num_gpus).select_from(Attempt)
+        .join(Stage, Stage.id == Attempt.stage_id)
+        .where(Stage.build_id.in_(ids), Attempt.ended_at.is_(None), Attempt.num_gpus > 0)
+    )
+    for build_id, started, gpus in running:
+        charged[build_id] = charged.get(build_id, 0.0) + max(0.0, (now - started).total_seconds()) * gpus
+    return charged

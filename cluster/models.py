@@ -39,7 +39,7 @@ class Tenant(Base):
     __tablename__ = "tenants"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    # Quotas, enforced when a build is submitted; None means no limit.
+    # Quotas, enforced when a build is submitted or retried; None means no limit.
     gpu_hours_per_month: Mapped[float | None] = mapped_column(Float)
     max_concurrent_builds: Mapped[int | None] = mapped_column(Integer)
 
@@ -65,6 +65,10 @@ class Build(Base):
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(16), default=Status.QUEUED.value, index=True)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # GPU-seconds this build holds against its tenant's monthly budget while queued or running (its GPU
+    # stages × the per-GPU-stage estimate, set at submit and at retry; cluster.service.GpuNeed). Once it
+    # ends, only its attempts' measured charge counts.
+    reserved_gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -24,6 +25,7 @@ from cluster.accelerator import granted_resources
 from cluster.capacity import Capacity
 from cluster.dag import ExternalPath, plan
 from cluster.db import lock_for_write
+from cluster.ledger import charged_gpu_seconds
 from cluster.models import (
     Alias,
     Artifact,
@@ -39,6 +41,7 @@ from cluster.models import (
 )
 from cluster.packages import alias_key, name_owner
 from cluster.registry import Registry
+from cluster.settings import GPU_STAGE_SECONDS
 from cluster.sources import SourcePolicy, upload_key
 from cluster.spec import BuildSpec, SpecError
 from cluster.states import REOPENABLE, TERMINAL, Status, advance, reopen
@@ -107,8 +110,62 @@ def gpu_seconds_this_month(session: Session, tenant: str) -> float:
     return float(finished) + sum((now - started).total_seconds() * gpus for started, gpus in running)
 
 
-def enforce_quota(session: Session, tenant: Tenant) -> None:
-    """Raise QuotaExceeded if one more build would exceed the tenant's concurrency or monthly GPU budget."""
+@dataclass(frozen=True)
+class GpuNeed:
+    """What a build reserves against its tenant's monthly GPU budget while it is queued or running: for each
+    stage that will be granted GPUs, its GPUs × `stage_seconds`, the per-GPU-stage estimate (a spec says how
+    many GPUs a stage asks for, never how long it runs: ELASTIFY_GPU_STAGE_SECONDS, default 600 s)."""
+
+    gpus: float  # summed over the build's GPU stages: a stage on 2 GPUs counts 2
+    stages: int  # how many of its stages get GPUs
+    stage_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gpus * self.stage_seconds
+
+    def describe(self) -> str:
+        if not self.stages:
+            return "this build gets no GPU and reserves nothing"
+        stages, gpus = f"{self.stages} GPU stage{'s' * (self.stages != 1)}", f"{self.gpus:g} GPU{'s' * (self.gpus != 1)}"
+        return (f"this build reserves {self.seconds:g} GPU-seconds ({stages}, {gpus} × {self.stage_seconds:g} s, "
+                "the estimate per GPU stage set by ELASTIFY_GPU_STAGE_SECONDS)")
+
+
+def assumed_cluster_gpus(capacity: Capacity | None) -> float:
+    """The GPUs a stage under `accelerator: auto` will find, as far as the submitting process knows: the live
+    nodes' or ELASTIFY_MAX_TASK_RESOURCES' num_gpus; unknown counts as one, so a reservation errs toward
+    refusing a build, never toward overshooting the quota."""
+    if capacity is not None and ("num_gpus" in capacity.largest or capacity.complete):
+        return float(capacity.largest.get("num_gpus", 0.0))
+    return 1.0
+
+
+def gpu_need(resources: Iterable[Mapping[str, Any]], accelerator: str, cluster_gpus: float,
+             stage_seconds: float = GPU_STAGE_SECONDS) -> GpuNeed:
+    """The GpuNeed of stages with these resource dicts (planned nodes' or stage rows', cluster.accelerator)."""
+    granted = [float(granted_resources(r, accelerator, cluster_gpus).get("num_gpus") or 0.0) for r in resources]
+    return GpuNeed(sum(granted), sum(1 for g in granted if g > 0), stage_seconds)
+
+
+def reserved_gpu_seconds(session: Session, tenant: str, now: datetime | None = None) -> float:
+    """GPU-seconds the tenant's queued and running builds still hold: each one's reservation less what its
+    attempts have been charged so far (never below zero: past its estimate, a build's charge counts as used)."""
+    held = dict(session.execute(
+        select(Build.id, Build.reserved_gpu_seconds)
+        .where(Build.tenant_id == tenant, Build.status.in_(ACTIVE), Build.reserved_gpu_seconds > 0)
+    ).all())
+    charged = charged_gpu_seconds(session, held, now)
+    return sum(max(0.0, reserved - charged.get(build_id, 0.0)) for build_id, reserved in held.items())
+
+
+def enforce_quota(session: Session, tenant: Tenant, need: GpuNeed | None = None) -> None:
+    """Raise QuotaExceeded if one more build would exceed the tenant's concurrency or monthly GPU budget.
+
+    The GPU budget must hold what the tenant's attempts used this month, what its queued and running builds
+    still reserve and `need`, this build's reservation; a budget already spent refuses even a build without
+    GPUs (as before reservations), one merely reserved does not.
+    Call it under the tenant row's lock (`_locked_tenant`), so concurrent submissions see each other's."""
     if tenant.max_concurrent_builds is not None:
         active = session.scalar(
             select(func.count()).select_from(Build).where(Build.tenant_id == tenant.id, Build.status.in_(ACTIVE))
@@ -118,11 +175,15 @@ def enforce_quota(session: Session, tenant: Tenant) -> None:
                 f"tenant {tenant.id} has {active} builds queued or running; its limit is {tenant.max_concurrent_builds}"
             )
     if tenant.gpu_hours_per_month is not None:
-        used = gpu_seconds_this_month(session, tenant.id) / 3600
-        if used >= tenant.gpu_hours_per_month:
+        need = need or GpuNeed(0.0, 0, GPU_STAGE_SECONDS)
+        budget = tenant.gpu_hours_per_month * 3600
+        now = utcnow()
+        used, held = gpu_seconds_this_month(session, tenant.id), reserved_gpu_seconds(session, tenant.id, now)
+        if used >= budget or (need.seconds > 0 and used + held + need.seconds > budget):
             raise QuotaExceeded(
-                f"tenant {tenant.id} has used {used:.3f} of its {tenant.gpu_hours_per_month:g} GPU-hours "
-                f"for {month_start():%Y-%m}"
+                f"tenant {tenant.id} has used {used / 3600:.3f} of its {tenant.gpu_hours_per_month:g} GPU-hours "
+                f"for {month_start(now):%Y-%m} ({used:.1f} GPU-seconds; its queued and running builds reserve "
+                f"{held:.1f} more, of {budget:g} GPU-seconds in all); {need.describe()}"
             )
 
 
@@ -162,6 +223,7 @@ def submit(
     enforce_quotas: bool = True,
     capacity: Capacity | None = None,
     sources: SourcePolicy | None = None,
+    gpu_stage_seconds: float = GPU_STAGE_SECONDS,
 ) -> Submission:
     """Validate the spec, check idempotency and quotas, then write the build and its queued stages.
 
@@ -171,10 +233,13 @@ def submit(
     With `sources` (the API and the operator CLI always pass the deployment's), every file the build
     reads must be an upload of the tenant or lie under the source roots (cluster.sources), else
     SourceRefused or SpecError; `None` is for trusted in-process callers (the demo, tests).
+    The build reserves its GpuNeed (`gpu_stage_seconds` per GPU of each GPU stage) until it ends.
     """
     planned = plan(spec, registry)  # raises SpecError before anything is written
     if capacity is not None:
         _check_capacity(planned, capacity, spec.accelerator)
+    need = gpu_need([node.resources for node in planned], spec.accelerator, assumed_cluster_gpus(capacity),
+                    gpu_stage_seconds)
     spec_hash = spec.content_hash()
     try:
         with sessions.begin() as session:
@@ -186,8 +251,8 @@ def submit(
             if sources is not None:
                 sources.check(session, tenant, spec, planned)
             if enforce_quotas:
-                enforce_quota(session, row)
-            return Submission(_insert_build(session, spec, spec_hash, planned, tenant, idempotency_key), True)
+                enforce_quota(session, row, need)
+            return Submission(_insert_build(session, spec, spec_hash, planned, tenant, idempotency_key, need), True)
     except IntegrityError as err:
         # The one conflict a submission can meet by right: a concurrent submission with the same
         # idempotency key committed first (the tenant row lock serialises these, so this is a
@@ -259,9 +324,9 @@ def _check_capacity(planned, capacity: Capacity, accelerator: str) -> None:
 
 
 def _insert_build(session: Session, spec: BuildSpec, spec_hash: str, planned, tenant: str,
-                  idempotency_key: str | None) -> str:
+                  idempotency_key: str | None, need: GpuNeed) -> str:
     build = Build(id=uuid.uuid4().hex[:16], tenant_id=tenant, spec=spec.model_dump(mode="json"), spec_hash=spec_hash,
-                  idempotency_key=idempotency_key)
+                  idempotency_key=idempotency_key, reserved_gpu_seconds=need.seconds)
     session.add(build)
     rows = {}
     for node in planned:
@@ -292,9 +357,12 @@ def submit_build(
     tenant: str = "default",
     idempotency_key: str | None = None,
     sources: SourcePolicy | None = None,
+    gpu_stage_seconds: float = GPU_STAGE_SECONDS,
 ) -> str:
-    """Queue a build (no quotas: the operator's own submissions); return the build id."""
-    return submit(sessions, spec, registry, tenant, idempotency_key, enforce_quotas=False, sources=sources).build_id
+    """Queue a build (no quotas: the operator's own submissions, though they reserve their GPU need as well,
+    against the tenant's next ones); return the build id."""
+    return submit(sessions, spec, registry, tenant, idempotency_key, enforce_quotas=False, sources=sources,
+                  gpu_stage_seconds=gpu_stage_seconds).build_id
 
 
 def _owned_build(session: Session, build_id: str, tenant: str | None, lock: bool = False) -> Build:
@@ -365,23 +433,29 @@ def build_summary(sessions: sessionmaker[Session], build_id: str) -> dict[str, A
 
 
 def retry_build(sessions: sessionmaker[Session], build_id: str, tenant: str | None = None,
-                enforce_quotas: bool = True) -> int:
+                enforce_quotas: bool = True, capacity: Capacity | None = None,
+                gpu_stage_seconds: float = GPU_STAGE_SECONDS) -> int:
     """Re-queue a failed or cancelled build's failed and cancelled stages; finished stages are kept
-    (their artifacts feed the re-run). Returns how many stages were re-queued."""
+    (their artifacts feed the re-run). Returns how many stages were re-queued. The build reserves the
+    GpuNeed of the re-queued stages on top of what it has been charged already."""
     with sessions.begin() as session:
         lock_for_write(session)  # before reading the build: the quota check below must see what is committed
         build = _owned_build(session, build_id, tenant, lock=True)
         if Status(build.status) not in REOPENABLE:
             raise StateConflict(f"build {build_id} is {build.status}; only failed or cancelled builds can be retried")
-        if enforce_quotas:
-            enforce_quota(session, _locked_tenant(session, build.tenant_id))
         stages = session.scalars(
             select(Stage).where(Stage.build_id == build_id, Stage.status.in_([s.value for s in REOPENABLE]))
         ).all()
+        need = gpu_need([stage.resources for stage in stages], build.spec.get("accelerator", "auto"),
+                        assumed_cluster_gpus(capacity), gpu_stage_seconds)
+        if enforce_quotas:
+            enforce_quota(session, _locked_tenant(session, build.tenant_id), need)
+        charged = charged_gpu_seconds(session, [build_id]).get(build_id, 0.0)
         for stage in stages:  # a fresh retry budget, as if newly submitted
             reopen(session, Stage, stage.id, stage.status, attempts=0, error=None, not_before=None, started_at=None,
                    finished_at=None, cache_hit=False, lease_owner=None, lease_expires_at=None)
-        reopen(session, Build, build_id, build.status, cancel_requested=False, error=None, finished_at=None)
+        reopen(session, Build, build_id, build.status, cancel_requested=False, error=None, finished_at=None,
+               reserved_gpu_seconds=charged + need.seconds)
         kept = session.scalar(select(func.count()).where(Stage.build_id == build_id,
                                                          Stage.status == Status.SUCCEEDED.value))
         session.add(Event(build_id=build_id, kind="state",

@@ -14,6 +14,8 @@
                              and the installed asset packages); anything else is uploaded (POST /v1/sources)
     ELASTIFY_MAX_UPLOAD_BYTES    the largest one upload may be (default 8 GiB)
     ELASTIFY_UPLOAD_QUOTA_BYTES  the most a tenant's uploads may hold together (default 32 GiB)
+    ELASTIFY_GPU_STAGE_SECONDS   what one GPU of one stage reserves against the tenant's GPU-hour quota
+                             at submit, in seconds (default 600; nothing in a spec says how long a stage runs)
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class SettingsError(ValueError):
     """Settings that cannot work (e.g. a missing signing key in production)."""
 
 
+GPU_STAGE_SECONDS = 600.0  # the default per-GPU-stage reservation (cluster.service.GpuNeed)
+
+
 def _home() -> Path:
     return Path(os.environ.get("ELASTIFY_HOME", Path.home() / ".cache" / "elastify")).expanduser()
 
@@ -44,6 +49,18 @@ def _byte_counts(**values: str | None) -> dict[str, int]:
                 raise SettingsError(f"{name} must be a whole number of bytes; got {value!r}")
             counts[name] = int(value)
     return counts
+
+
+def _seconds(**values: str | None) -> dict[str, float]:
+    """The durations set in the environment, as floats (unset ones keep their defaults)."""
+    durations = {}
+    for name, value in values.items():
+        if value:
+            try:
+                durations[name] = float(value)
+            except ValueError:
+                raise SettingsError(f"ELASTIFY_{name.upper()} must be a number of seconds; got {value!r}") from None
+    return durations
 
 
 @dataclass
@@ -65,6 +82,10 @@ class Settings:
     source_roots: str = ""  # os.pathsep-separated absolute directories; empty: the embedded default below
     max_upload_bytes: int = 8 << 30
     upload_quota_bytes: int = 32 << 30
+    gpu_stage_seconds: float = GPU_STAGE_SECONDS
+    # A database outage: the scheduler retries after base, 2 × base, … up to max seconds (Scheduler.run).
+    db_retry_base_seconds: float = 0.5
+    db_retry_max_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         self.home = Path(self.home)
@@ -75,6 +96,8 @@ class Settings:
             parse_capacity(self.max_task_resources)
         except ValueError as err:
             raise SettingsError(str(err)) from None
+        if not self.gpu_stage_seconds > 0 or self.gpu_stage_seconds == float("inf"):
+            raise SettingsError(f"ELASTIFY_GPU_STAGE_SECONDS must be a positive number of seconds; got {self.gpu_stage_seconds!r}")
         relative = [root for root in self.source_roots.split(os.pathsep) if root and not Path(root).is_absolute()]
         if relative:
             raise SettingsError(f"ELASTIFY_SOURCE_ROOTS must list absolute directories; got {relative}")
@@ -93,6 +116,7 @@ class Settings:
             signing_key_path=env("ELASTIFY_SIGNING_KEY") or None,
             max_task_resources=env("ELASTIFY_MAX_TASK_RESOURCES", ""),
             source_roots=env("ELASTIFY_SOURCE_ROOTS", ""),
+            **_seconds(gpu_stage_seconds=env("ELASTIFY_GPU_STAGE_SECONDS")),
             **_byte_counts(max_upload_bytes=env("ELASTIFY_MAX_UPLOAD_BYTES"),
                            upload_quota_bytes=env("ELASTIFY_UPLOAD_QUOTA_BYTES")),
         )

@@ -89,7 +89,8 @@ def build_submit(
     try:
         # The same source roots as the API: a tenant's build reads no file a tenant could not name there.
         build_id = submit_build(_sessions(settings), parse_spec(spec, registry), registry, tenant,
-                                idempotency_key, sources=SourcePolicy(settings.allowed_source_roots))
+                                idempotency_key, sources=SourcePolicy(settings.allowed_source_roots),
+                                gpu_stage_seconds=settings.gpu_stage_seconds)
     except SpecError as err:  # SourceRefused included
         fail(str(err))
         return

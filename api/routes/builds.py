@@ -84,7 +84,8 @@ def submit_router(spec_model: type[BuildSpec]) -> APIRouter:
         _refuse_a_published_version(request, spec, caller.tenant, idempotency_key)
         capacity = current_capacity(request.app.state.settings.max_task_resources)
         submission = submit(sessions(request), spec, request.app.state.registry, caller.tenant, idempotency_key,
-                            capacity=capacity, sources=request.app.state.sources)
+                            capacity=capacity, sources=request.app.state.sources,
+                            gpu_stage_seconds=request.app.state.settings.gpu_stage_seconds)
         if not submission.created:
             response.status_code = 200
         response.headers["Location"] = f"/v1/builds/{submission.build_id}"
@@ -141,8 +142,10 @@ def cancel(build_id: BuildId, request: Request, caller: CallerDep) -> dict:
 def retry(build_id: BuildId, request: Request, caller: CallerDep) -> dict:
     """Re-run a failed or cancelled build: its failed and cancelled stages are queued again, finished
     stages are reused. A build in any other state is a 409."""
+    settings = request.app.state.settings
     try:
-        retry_build(sessions(request), build_id, caller.scope)
+        retry_build(sessions(request), build_id, caller.scope, capacity=current_capacity(settings.max_task_resources),
+                    gpu_stage_seconds=settings.gpu_stage_seconds)
     except KeyError:
         raise not_found(f"no build {build_id}") from None
     return _describe(request, build_id, caller.scope)

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from api.auth import token_hash
 from cluster.models import ApiToken, Build, utcnow
 from cluster.service import month_start, set_quota
-from tests.support.api import finish_build, publish_files, spec
+from tests.support.api import finish_build, make_api, publish_files, spec
 
 
 def test_tokens_are_stored_only_as_their_hash(api):
@@ -150,6 +150,22 @@ def test_gpu_hour_budget_refuses_with_429_and_counts_only_this_month(api, client
     assert _builds(api) == before
     set_quota(api.sessions, "acme", gpu_hours_per_month=2.0)
     assert client.post("/v1/builds", json=spec(version="3"), headers=acme).status_code == 201
+
+
+def test_gpu_builds_reserve_the_configured_estimate_at_submit_and_the_429_says_so(tmp_path):
+    from fastapi.testclient import TestClient
+
+    api = make_api(tmp_path, gpu_stage_seconds=5.0)  # ELASTIFY_GPU_STAGE_SECONDS=5
+    client, acme = TestClient(api.app), api.token("acme")
+    set_quota(api.sessions, "acme", gpu_hours_per_month=12 / 3600)  # room for two 5 GPU-second reservations
+    on_a_gpu = {"first": {"resources": {"num_gpus": 1}}}
+    responses = [client.post("/v1/builds", json=spec(version=str(i), stages=on_a_gpu), headers=acme) for i in range(3)]
+    assert [r.status_code for r in responses] == [201, 201, 429]
+    detail = responses[2].json()["detail"]
+    assert "its queued and running builds reserve 10.0 more, of 12 GPU-seconds in all" in detail
+    assert ("this build reserves 5 GPU-seconds (1 GPU stage, 1 GPU × 5 s, the estimate per GPU stage set by "
+            "ELASTIFY_GPU_STAGE_SECONDS)") in detail
+    assert client.post("/v1/builds", json=spec(version="3"), headers=acme).status_code == 201  # no GPU: fits
 
 
 def test_a_retry_counts_against_the_concurrency_quota(api, client):
