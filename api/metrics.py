@@ -12,7 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from sqlalchemy import case, func, select
+from sqlalchemy.exc import DBAPIError
 
+from cluster.db import DATABASE_OUTAGES, is_connection_error
 from cluster.ledger import compute_by_stage_type
 from cluster.models import Attempt, Build, Stage
 from cluster.states import Status
@@ -25,20 +27,25 @@ class JobStoreCollector(Collector):
         self.sessions = sessions
 
     def collect(self):
-        with self.sessions() as session:
-            builds = dict(session.execute(select(Build.status, func.count()).group_by(Build.status)).all())
-            queued = session.scalar(
-                select(func.count()).select_from(Stage).join(Build, Build.id == Stage.build_id)
-                .where(Stage.status == Status.QUEUED.value, Build.cancel_requested.is_(False))
-            )
-            finished = Attempt.ended_at.is_not(None)
-            columns = [func.sum(case((Attempt.wall_seconds <= bound, 1), else_=0)) for bound in DURATION_BUCKETS]
-            durations = session.execute(
-                select(Stage.type, func.count(), func.sum(Attempt.wall_seconds), *columns).select_from(Attempt)
-                .join(Stage, Stage.id == Attempt.stage_id).where(finished).group_by(Stage.type)
-            ).all()
-            compute = compute_by_stage_type(session)
-            expiries = session.scalar(select(func.count()).select_from(Attempt).where(Attempt.exit == "lease_expired"))
+        try:
+            with self.sessions() as session:
+                builds = dict(session.execute(select(Build.status, func.count()).group_by(Build.status)).all())
+                queued = session.scalar(
+                    select(func.count()).select_from(Stage).join(Build, Build.id == Stage.build_id)
+                    .where(Stage.status == Status.QUEUED.value, Build.cancel_requested.is_(False))
+                )
+                finished = Attempt.ended_at.is_not(None)
+                columns = [func.sum(case((Attempt.wall_seconds <= bound, 1), else_=0)) for bound in DURATION_BUCKETS]
+                durations = session.execute(
+                    select(Stage.type, func.count(), func.sum(Attempt.wall_seconds), *columns).select_from(Attempt)
+                    .join(Stage, Stage.id == Attempt.stage_id).where(finished).group_by(Stage.type)
+                ).all()
+                compute = compute_by_stage_type(session)
+                expiries = session.scalar(select(func.count()).select_from(Attempt).where(Attempt.exit == "lease_expired"))
+        except DBAPIError as err:
+            if not is_connection_error(err):
+                raise
+            return  # the database is down: nothing to read now; DatabaseOutageCollector still answers
 
         by_state = GaugeMetricFamily("elastify_builds", "Builds by state", labels=["state"])
         for state in Status:
@@ -66,7 +73,19 @@ class JobStoreCollector(Collector):
                                   value=expiries)
 
 
+class DatabaseOutageCollector(Collector):
+    """What this process's scheduler met of database outages (cluster.db.DATABASE_OUTAGES): counted in the
+    process, since the database cannot record its own absence. Zero in an API process without a scheduler."""
+
+    def collect(self):
+        yield CounterMetricFamily("elastify_database_errors", "Database round trips of the scheduler that failed "
+                                  "for want of a connection (each retried after a backoff)", value=DATABASE_OUTAGES.errors)
+        yield CounterMetricFamily("elastify_database_reconnects", "Times the scheduler reconnected after a database "
+                                  "outage", value=DATABASE_OUTAGES.reconnects)
+
+
 def job_store_registry(sessions) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
+    registry.register(DatabaseOutageCollector())
     registry.register(JobStoreCollector(sessions))
     return registry

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS = Path(__file__).resolve().parents[1] / "infra" / "migrations"
@@ -60,6 +63,50 @@ def lock_for_write(session: Session) -> None:
     if not connection.get_execution_options().get(_WRITE_LOCK):
         raise RuntimeError("lock_for_write was called after the transaction's first statement")
     session.info[_WRITE_LOCK] = session.get_transaction()
+
+
+# SQLSTATE classes of a lost server: 08 connection exception; 57P01-57P03 admin or crash shutdown, cannot
+# connect now (a server stopping or starting). Other errors (a constraint, a lock timeout, a bad statement) are not.
+CONNECTION_SQLSTATES = ("08", "57P")
+SQLITE_UNREACHABLE = ("unable to open database file", "disk i/o error")
+
+
+def is_connection_error(err: BaseException) -> bool:
+    """Whether `err` says the database could not be reached (worth waiting out and reconnecting), not that a
+    statement failed: a connection SQLAlchemy invalidated, a driver error with a connection SQLSTATE or with
+    none (the client could not talk to the server: refused, reset, timed out), SQLite's file unreachable.
+    SQLite's "database is locked" is not one: it is a busy writer, not an outage."""
+    if not isinstance(err, DBAPIError):
+        return False
+    if err.connection_invalidated:
+        return True
+    if not isinstance(err, OperationalError | InterfaceError):
+        return False
+    if isinstance(err.orig, sqlite3.Error):
+        return any(message in str(err.orig).lower() for message in SQLITE_UNREACHABLE)
+    state = getattr(err.orig, "sqlstate", None) or getattr(err.orig, "pgcode", None)
+    return not state or str(state).startswith(CONNECTION_SQLSTATES)
+
+
+class DatabaseOutages:
+    """This process's count of database round trips that failed for want of a connection and were retried,
+    and of reconnections after them (cluster.scheduler.Scheduler.run); /metrics exports both as
+    elastify_database_errors_total and elastify_database_reconnects_total."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.errors = self.reconnects = 0
+
+    def error(self) -> None:
+        with self._lock:
+            self.errors += 1
+
+    def reconnected(self) -> None:
+        with self._lock:
+            self.reconnects += 1
+
+
+DATABASE_OUTAGES = DatabaseOutages()
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -8,6 +8,10 @@ status change is a conditional UPDATE); on SQLite one scheduler holds a file loc
 One tick: renew my leases, requeue expired ones, cancel what was cancelled, lease and dispatch
 ready stages (or satisfy them from the cache), collect finished Ray tasks, store events, and
 close builds whose stages are all done.
+
+A database that cannot be reached (stopped, restarting, the network) does not stop the loop: it waits,
+backing off, reconnects, hands back the stages it had leased but not started, and goes on; Ray tasks
+that ran meanwhile are collected then.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from typing import Any
 
 import ray
 from sqlalchemy import exists, func, select, text, true, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import aliased
 
 from cluster.accelerator import device_for, granted_resources
 from cluster.capacity import cluster_gpus, current_capacity
-from cluster.db import is_sqlite, make_engine, session_factory
+from cluster.db import DATABASE_OUTAGES, is_connection_error, is_sqlite, make_engine, session_factory
 from cluster.fingerprint import named_files_fingerprint, path_fingerprint, pipeline_version
 from cluster.models import Artifact, Attempt, Build, Event, Stage, StageInput, utcnow
 from cluster.packages import register_package
@@ -106,6 +111,7 @@ class Scheduler:
         self.runtime = runtime if runtime is not None else default_runtime(settings)
         self.inflight: dict[Any, Inflight] = {}
         self.events = None
+        self._undelivered: list[dict] = []  # events taken from the queue that a lost database did not store yet
         self._lock_handle = None
         self._last_heartbeat = self._last_sweep = self._last_drain = self._last_store_sweep = 0.0
 
@@ -160,10 +166,11 @@ class Scheduler:
             self._lock_handle = None
         self.engine.dispose()
 
-    def release_leases(self, error: str = "scheduler stopped") -> int:
+    def release_leases(self, error: str = "scheduler stopped", keep: frozenset[int] = frozenset()) -> int:
         """Hand every stage this scheduler holds back to the queue through the database alone, for a stop while
         Ray goes down too (its head stopped by the same SIGTERM), when close() would block on Ray. Attempts are
-        charged up to now and, as in close(), the interruption spends none of the stage's attempts."""
+        charged up to now and, as in close(), the interruption spends none of the stage's attempts. The
+        stages in `keep` (ids) are kept: after a database outage, those whose Ray tasks are still in flight."""
         now = utcnow()
         with self.sessions.begin() as session:
             # Wait briefly for locks: the loop may be stuck inside a transaction, holding them until the process
@@ -173,7 +180,8 @@ class Scheduler:
             else:
                 session.execute(text("SET LOCAL lock_timeout = '2s'"))
             held = session.scalars(
-                select(Stage).where(Stage.lease_owner == self.owner, Stage.status == Status.RUNNING.value)
+                select(Stage).where(Stage.lease_owner == self.owner, Stage.status == Status.RUNNING.value,
+                                    Stage.id.not_in(keep))
             ).all()
             for stage in held:
                 running = session.scalars(select(Attempt).where(
@@ -188,16 +196,77 @@ class Scheduler:
         return len(held)
 
     def run(self, until: Callable[[], bool] | None = None, idle_exit: bool = False, timeout: float | None = None) -> None:
-        """Tick until `until()` is true, or (with idle_exit) no work is left, or `timeout` seconds pass."""
+        """Tick until `until()` is true, or (with idle_exit) no work is left, or `timeout` seconds pass.
+        A lost database connection is waited out (`_wait_for_database`); any other error ends the loop."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            busy = self.tick()
-            if until is not None and until():
-                return
-            if idle_exit and not busy and not self.inflight and not self._work_left():
-                return
+            try:
+                busy = self.tick()
+                if until is not None and until():
+                    return
+                if idle_exit and not busy and not self.inflight and not self._work_left():
+                    return
+            except DBAPIError as err:
+                if not is_connection_error(err):
+                    raise
+                if self._wait_for_database(err, until, deadline):
+                    return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"scheduler {self.owner} still busy after {timeout} s")
+
+    def _wait_for_database(self, err: DBAPIError, until: Callable[[], bool] | None, deadline: float | None) -> bool:
+        """Wait out a database outage: back off (db_retry_base_seconds, doubling up to db_retry_max_seconds),
+        drop the pool's connections and try again until the database answers, then put right what the outage
+        interrupted (`_after_outage`). True if `until()` came true meanwhile (a stop asked for); a deadline
+        that passes raises TimeoutError. Ray tasks keep running and are collected once it is back."""
+        lost, delay = time.monotonic(), self.settings.db_retry_base_seconds
+        while True:
+            DATABASE_OUTAGES.error()
+            log.warning("database unreachable (%s); scheduler %s retries in %g s", _first_line(err), self.owner, delay)
+            if self._sleep_unless(until, delay, deadline):
+                return True
+            self.engine.dispose()  # connections to the server that went away are dead: open fresh ones
+            try:
+                with self.engine.connect() as connection:
+                    connection.execute(text("SELECT 1"))
+                self._after_outage()
+                break
+            except DBAPIError as again:
+                if not is_connection_error(again):
+                    raise
+                err, delay = again, min(self.settings.db_retry_max_seconds, delay * 2)
+        DATABASE_OUTAGES.reconnected()
+        log.warning("database reachable again after %.1f s; scheduler %s resumes", time.monotonic() - lost, self.owner)
+        return False
+
+    def _sleep_unless(self, until: Callable[[], bool] | None, seconds: float, deadline: float | None) -> bool:
+        """Sleep `seconds` in short steps; True as soon as `until()` is true (one that needs the database
+        cannot say so now: it counts as false). Past `deadline`, TimeoutError."""
+        end = time.monotonic() + seconds
+        while True:
+            if until is not None:
+                try:
+                    if until():
+                        return True
+                except DBAPIError as err:
+                    if not is_connection_error(err):
+                        raise
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"scheduler {self.owner}: the database is still unreachable at the deadline")
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.25, left))
+
+    def _after_outage(self) -> None:
+        """The database is back: renew my leases at once, and hand back to the queue the stages leased to me that
+        no Ray task of mine runs (the outage cut their dispatch short, or the recording of their end); their
+        attempts are charged up to now and spend none of the stage's retries."""
+        self._last_heartbeat = 0.0
+        orphans = self.release_leases("the database connection was lost while the stage was being dispatched",
+                                      keep=frozenset(info.stage_id for info in self.inflight.values()))
+        if orphans:
+            log.warning("%d stages whose dispatch the outage interrupted go back to the queue", orphans)
 
     def run_until_done(self, build_ids: list[str], timeout: float = 600.0) -> None:
         self.run(until=lambda: all(self.status(b) in TERMINAL for b in build_ids), timeout=timeout)
@@ -405,6 +474,8 @@ class Scheduler:
                 if cached is None and (unfit := self._unschedulable(granted)):
                     raise Unschedulable("; ".join(f"{name}: {message}" for name, message in unfit))
             except Exception as err:  # a missing signing key is permanent; a store that is down is not
+                if is_connection_error(err):
+                    raise  # the database went away: the stage goes back to the queue once it is back
                 stage.attempts += 1  # a failed dispatch spends an attempt, so retries stay bounded
                 self._after_failure(session, stage, f"{type(err).__name__}: {err}", isinstance(err, StoreError), False)
                 return
@@ -414,6 +485,8 @@ class Scheduler:
             try:
                 self._register_package(registration, stage_id, cached)
             except Exception as err:
+                if is_connection_error(err):
+                    raise
                 with self.sessions.begin() as session:
                     stage = session.get(Stage, stage_id)
                     stage.attempts += 1
@@ -461,7 +534,7 @@ class Scheduler:
                            timeout=self.settings.poll_seconds, fetch_local=True)
         for ref in done:
             self._maybe_heartbeat()
-            info = self.inflight.pop(ref)
+            info = self.inflight[ref]
             exit_reason = None
             try:
                 result = ray.get(ref)
@@ -472,6 +545,9 @@ class Scheduler:
                 result = {"ok": False, "error": f"{type(err).__name__}: {first_line}", "retryable": True}
                 exit_reason = "crashed"
             self._record(info, result, exit_reason)
+            # Only once recorded: a database lost while recording leaves the task here, recorded on a later tick
+            # (every step of _record is idempotent), instead of its stage leased to me for good with no task.
+            del self.inflight[ref]
         return len(done)
 
     def _record(self, info: Inflight, result: dict[str, Any], exit_reason: str | None) -> None:
@@ -479,6 +555,8 @@ class Scheduler:
             try:
                 self._register_package(info.registration, info.stage_id, result["outputs"])
             except Exception as err:  # e.g. PublishRefused (permanent) or the store went away (retry)
+                if is_connection_error(err):
+                    raise  # the database went away, not the stage's fault: recorded again once it is back
                 result = {**result, "ok": False, "error": f"{type(err).__name__}: {err}",
                           "retryable": isinstance(err, StoreError)}
                 exit_reason = "error"
@@ -500,11 +578,13 @@ class Scheduler:
         wall = result.get("wall_seconds") or (time.monotonic() - info.started)
         status = Status.SUCCEEDED if result["ok"] else (Status.CANCELLED if exit == "cancelled" else Status.FAILED)
         with self.sessions.begin() as session:
-            advance(session, Attempt, info.attempt_id, Status.RUNNING, status, exit=exit, error=result.get("error"),
-                    wall_seconds=wall, cpu_seconds=result.get("cpu_seconds") or 0.0,
-                    gpu_seconds=wall * info.num_gpus, ended_at=utcnow(),
-                    **{name: result[name] for name in TRAFFIC if result.get(name) is not None})
-            if not result["ok"]:
+            ended = advance(session, Attempt, info.attempt_id, Status.RUNNING, status, exit=exit,
+                            error=result.get("error"), wall_seconds=wall, cpu_seconds=result.get("cpu_seconds") or 0.0,
+                            gpu_seconds=wall * info.num_gpus, ended_at=utcnow(),
+                            **{name: result[name] for name in TRAFFIC if result.get(name) is not None})
+            # Not ended here: recorded already (this is a retry of a recording a lost database cut short), or
+            # another scheduler took the stage over. Either way its failure is not this call's to handle.
+            if not result["ok"] and ended:
                 stage = session.get(Stage, info.stage_id)
                 if stage.status == Status.RUNNING.value and stage.lease_owner == self.owner:
                     if exit == "interrupted":  # a clean stop is not the stage's fault: don't spend an attempt
@@ -619,9 +699,11 @@ class Scheduler:
             count = self.events.qsize()
             batch = self.events.get_nowait_batch(count) if count else []
         except Exception:  # the queue actor is gone; events are best effort
-            return
+            batch = []
+        batch, self._undelivered = self._undelivered + batch, []
         if not batch:
             return
+        self._undelivered = batch  # until they are committed: a lost database keeps them for the next drain
         with self.sessions.begin() as session:
             for event in batch:
                 session.add(Event(
@@ -629,6 +711,12 @@ class Scheduler:
                     kind=event.get("kind", "log"), level=event.get("level", "info"), message=str(event.get("message", "")),
                     data=event.get("data"),
                 ))
+        self._undelivered = []
+
+
+def _first_line(err: BaseException) -> str:
+    message = str(getattr(err, "orig", None) or err).strip()
+    return message.splitlines()[0] if message else type(err).__name__
 
 
 def default_runtime(settings: Settings) -> dict[str, RuntimeValue]:

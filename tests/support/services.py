@@ -62,27 +62,53 @@ def _pg_bindir() -> str:
     return str(candidates[-1].parent)
 
 
+class PostgresServer:
+    """A throwaway PostgreSQL cluster (trust auth, 127.0.0.1, a free port) in its own temp dir, which a
+    fault test may stop (`pg_ctl stop -m fast`, as an operator would) and start again on the same port."""
+
+    def __init__(self) -> None:
+        self.bindir = _pg_bindir()
+        self.root = Path(tempfile.mkdtemp(prefix="elastify-pg-"))
+        self.port = free_port()
+        self._as_postgres = ["su", "postgres", "-s", "/bin/sh", "-c"] if os.geteuid() == 0 else ["sh", "-c"]
+        if os.geteuid() == 0:
+            shutil.chown(self.root, "postgres")
+        self.data, self.log = self.root / "data", self.root / "log"
+        self._pg(f"{self.bindir}/initdb -D {self.data} -U postgres --auth=trust -E UTF8 --no-sync")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}"
+
+    def _pg(self, command: str, check: bool = True) -> None:
+        subprocess.run([*self._as_postgres, command], check=check, capture_output=True)
+
+    def start(self) -> None:
+        options = (f"-c listen_addresses=127.0.0.1 -p {self.port} -k {self.root} -c fsync=off "
+                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+        self._pg(f"{self.bindir}/pg_ctl -D {self.data} -l {self.log} -w -o '{options}' start")
+
+    def stop(self, mode: str = "fast", check: bool = True) -> None:
+        self._pg(f"{self.bindir}/pg_ctl -D {self.data} -m {mode} -w stop", check=check)
+
+
+@contextlib.contextmanager
+def postgres_server() -> Iterator[PostgresServer]:
+    """A started PostgresServer, stopped and deleted afterwards."""
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop("immediate", check=False)
+        shutil.rmtree(server.root, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def postgres() -> Iterator[str]:
     """A throwaway PostgreSQL cluster (trust auth, 127.0.0.1, free port); yields its base URL."""
-    bindir = _pg_bindir()
-    root = Path(tempfile.mkdtemp(prefix="elastify-pg-"))
-    port = free_port()
-    as_postgres = ["su", "postgres", "-s", "/bin/sh", "-c"] if os.geteuid() == 0 else ["sh", "-c"]
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-    data, log = root / "data", root / "log"
-    subprocess.run([*as_postgres, f"{bindir}/initdb -D {data} -U postgres --auth=trust -E UTF8 --no-sync"],
-                   check=True, capture_output=True)
-    options = (f"-c listen_addresses=127.0.0.1 -p {port} -k {root} -c fsync=off -c synchronous_commit=off "
-               "-c full_page_writes=off -c max_connections=200")
-    subprocess.run([*as_postgres, f"{bindir}/pg_ctl -D {data} -l {log} -w -o '{options}' start"], check=True,
-                   capture_output=True)
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}"
-    finally:
-        subprocess.run([*as_postgres, f"{bindir}/pg_ctl -D {data} -m immediate -w stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+    with postgres_server() as server:
+        yield server.url
 
 
 def create_database(server_url: str, name: str) -> str:
