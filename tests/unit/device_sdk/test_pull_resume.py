@@ -87,8 +87,11 @@ def slow_registry(tmp_path_factory):
 
 
 def start_child(url: str, cache: Path) -> subprocess.Popen:
+    # A terminal's process: SIGINT at its default, so Python raises KeyboardInterrupt even when this
+    # suite was started in the background of a shell, whose jobs inherit SIGINT ignored.
     return subprocess.Popen([sys.executable, "-c", CHILD, url, public_bytes(KEY).hex(), str(cache)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def weights_kept(cache: Path) -> int:
